@@ -1,0 +1,1 @@
+"""Loopline shared library."""

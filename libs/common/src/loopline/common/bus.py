@@ -1,0 +1,196 @@
+"""NATS connection, stream and consumer helpers shared by every service.
+
+The bus must ride out a restarted nats-server: connections reconnect forever, and a publish that must
+be durable is retried with the same ``Nats-Msg-Id`` until JetStream acknowledges it (the server's
+dedupe window makes the retry safe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.errors import ConnectionClosedError, NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    KeyValueConfig,
+    PubAck,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import APIError, BadRequestError, NotFoundError
+
+from loopline.common import subjects
+from loopline.common.telemetry import inject_trace_headers
+
+log = logging.getLogger(__name__)
+
+RESULTS_MAX_AGE_S = 24 * 3600
+WORK_MAX_AGE_S = 24 * 3600
+# Long enough to cover a nats-server restart during which publishers keep retrying.
+DEDUPE_WINDOW_S = 600
+
+
+async def connect(url: str, name: str) -> NATS:
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats %s: %s", name, exc)
+
+    async def on_disconnect() -> None:
+        log.warning("nats %s: disconnected", name)
+
+    async def on_reconnect() -> None:
+        log.info("nats %s: reconnected", name)
+
+    return await nats.connect(
+        servers=[url],
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.25,
+        connect_timeout=2,
+        allow_reconnect=True,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        # Publishes made while reconnecting are buffered, then flushed on reconnect.
+        pending_size=64 * 1024 * 1024,
+    )
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        # Exists with another config (an older version of ours): bring it up to date.
+        await js.update_stream(config)
+
+
+async def ensure_topology(js: JetStreamContext, *, max_work_msgs: int = 1_000_000) -> None:
+    """Create the streams and buckets every service relies on; idempotent, any service may call it."""
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.WORK_STREAM,
+            subjects=[subjects.WORK_ALL],
+            # A work item lives until both the inference replicas and the ledger have acked it.
+            retention=RetentionPolicy.INTEREST,
+            storage=StorageType.FILE,
+            max_age=WORK_MAX_AGE_S,
+            max_msgs=max_work_msgs,
+            discard=DiscardPolicy.NEW,
+            duplicate_window=DEDUPE_WINDOW_S,
+        ),
+    )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.RESULTS_STREAM,
+            subjects=[subjects.RESULTS_ALL],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=RESULTS_MAX_AGE_S,
+            # Results are idempotent by request id: a redelivered request's second answer is dropped.
+            duplicate_window=DEDUPE_WINDOW_S,
+            allow_direct=True,
+        ),
+    )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.EVENTS_STREAM,
+            subjects=[subjects.EVENTS_ALL],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=7 * 24 * 3600,
+        ),
+    )
+    # The ledger's consumers exist from the start: WORK keeps a message only while some consumer
+    # is interested, so the ledger must be interested before the first request is published.
+    await _ensure_consumer(js, subjects.WORK_STREAM, subjects.LEDGER_WORK_DURABLE, subjects.WORK_ALL)
+    await _ensure_consumer(js, subjects.RESULTS_STREAM, subjects.LEDGER_RESULTS_DURABLE, subjects.RESULTS_ALL)
+    for bucket in (subjects.MODELS_BUCKET, subjects.BATCHES_BUCKET):
+        try:
+            await js.key_value(bucket)
+        except (NotFoundError, Exception):
+            ttl = RESULTS_MAX_AGE_S if bucket == subjects.BATCHES_BUCKET else 0
+            await js.create_key_value(
+                KeyValueConfig(bucket=bucket, history=1, ttl=ttl, storage=StorageType.FILE)
+            )
+
+
+async def _ensure_consumer(js: JetStreamContext, stream: str, durable: str, subject: str, **kw) -> None:
+    config = ConsumerConfig(
+        durable_name=durable,
+        filter_subject=subject,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        max_ack_pending=kw.pop("max_ack_pending", 20_000),
+        **kw,
+    )
+    try:
+        await js.add_consumer(stream, config)
+    except BadRequestError:
+        pass  # exists already, possibly with settings a running service chose
+
+
+async def ensure_work_consumer(
+    js: JetStreamContext, deployment: str, *, ack_wait_s: float, max_deliver: int
+) -> None:
+    """The durable pull consumer all inference replicas of one deployment share."""
+    await _ensure_consumer(
+        js,
+        subjects.WORK_STREAM,
+        subjects.inference_durable(deployment),
+        subjects.work(deployment),
+        ack_wait=ack_wait_s,
+        max_deliver=max_deliver,
+    )
+
+
+async def publish_durable(
+    js: JetStreamContext,
+    subject: str,
+    payload: bytes,
+    *,
+    msg_id: str,
+    headers: Mapping[str, str] | None = None,
+    deadline_s: float = 120.0,
+) -> PubAck:
+    """Publish to JetStream and wait for its ack, retrying through outages until ``deadline_s``.
+
+    Raises ``StreamFull`` when the stream refuses for its limits (the caller answers 429).
+    """
+    hdrs = {"Nats-Msg-Id": msg_id, **(headers or {})}
+    inject_trace_headers(hdrs)
+    give_up = time.monotonic() + deadline_s
+    delay = 0.05
+    while True:
+        try:
+            return await js.publish(subject, payload, headers=hdrs, timeout=2.0)
+        except APIError as exc:
+            if "maximum messages" in str(exc) or "maximum bytes" in str(exc):
+                raise StreamFull(str(exc)) from exc
+            err: Exception = exc
+        except (NatsTimeoutError, NoRespondersError, ConnectionClosedError, asyncio.TimeoutError) as exc:
+            err = exc
+        if time.monotonic() > give_up:
+            raise BusUnavailable(f"could not publish to {subject}: {err}") from err
+        log.debug("retrying publish to %s after %s", subject, err)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 1.0)
+
+
+class StreamFull(Exception):
+    """JetStream refused a message because a stream limit is reached."""
+
+
+class BusUnavailable(Exception):
+    """NATS did not acknowledge in time; nothing was accepted."""

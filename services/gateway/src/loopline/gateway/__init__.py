@@ -1,0 +1,1 @@
+"""Loopline gateway: OpenAI- and ScalarLM-compatible REST over NATS."""

@@ -1,0 +1,45 @@
+"""The gateway's FastAPI application: routes, error shapes, body limits, tracing, NATS lifecycle."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from opentelemetry import trace
+
+from loopline.common.settings import GatewaySettings
+from loopline.common.telemetry import tracer
+from loopline.gateway import errors, health_api, openai_api, scalarlm_api
+from loopline.gateway.body_limit import BodyLimit
+from loopline.gateway.bridge import Bridge
+
+_tracer = tracer("loopline.gateway")
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    bridge = Bridge(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await bridge.start()
+        yield
+        await bridge.stop()
+
+    app = FastAPI(title="Loopline gateway", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.bridge = bridge
+    errors.install(app)
+
+    @app.middleware("http")
+    async def trace_requests(request: Request, call_next):
+        # One span per HTTP request; what the handlers publish carries it in NATS headers.
+        with _tracer.start_as_current_span(f"{request.method} {request.url.path}",
+                                           kind=trace.SpanKind.SERVER):
+            return await call_next(request)
+
+    app.include_router(openai_api.router)
+    app.include_router(scalarlm_api.router)
+    app.include_router(health_api.router)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
+                       max_upload_bytes=settings.max_upload_bytes)
+    return app

@@ -1,0 +1,244 @@
+"""The gateway's side of NATS: model registry, admission, publishing work, collecting results.
+
+The gateway owns nothing persistent. A request is accepted once JetStream has acked its work items;
+from then on its answer lives in RESULTS, where any gateway can find it by subject.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
+
+from loopline.common import bus, subjects
+from loopline.common.schemas import BatchManifest, DeploymentInfo, QueueState, ResultItem, WorkItem
+from loopline.common.settings import GatewaySettings
+from loopline.gateway.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+# How often the model registry is re-read; a miss also re-reads it at once.
+MODELS_REFRESH_S = 2.0
+# A queue state older than this is ignored (the queue service is down): admit, JetStream still
+# bounds the stream.
+QUEUE_STATE_STALE_S = 5.0
+# While waiting, results we may have missed (a NATS reconnect drops core messages) are looked up.
+RECHECK_S = 1.0
+
+
+class Bridge:
+    def __init__(self, settings: GatewaySettings):
+        self.settings = settings
+        self.nc: NATS | None = None
+        self.models: dict[str, DeploymentInfo] = {}
+        self.queue_state: QueueState | None = None
+        self._admitted_since_state: dict[str, int] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.nc = await bus.connect(self.settings.nats_url, "gateway")
+        self.js = self.nc.jetstream()
+        await bus.ensure_topology(self.js)
+        self.models_kv = await self.js.key_value(subjects.MODELS_BUCKET)
+        self.batches_kv = await self.js.key_value(subjects.BATCHES_BUCKET)
+        await self.nc.subscribe(subjects.QUEUE_STATE, cb=self._on_queue_state)
+        await self.refresh_models()
+        self._tasks.append(asyncio.create_task(self._refresh_models_forever()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.nc is not None:
+            await self.nc.drain()
+
+    # --- models -----------------------------------------------------------------------------------
+    async def refresh_models(self) -> None:
+        try:
+            keys = await self.models_kv.keys()
+        except Exception:  # noqa: BLE001 - "no keys found" is an exception in nats-py
+            keys = []
+        models = {}
+        for key in keys:
+            try:
+                entry = await self.models_kv.get(key)
+            except Exception:  # noqa: BLE001 - deleted between keys() and get()
+                continue
+            info = DeploymentInfo.model_validate_json(entry.value)
+            models[info.model] = info
+        self.models = models
+
+    async def _refresh_models_forever(self) -> None:
+        while True:
+            await asyncio.sleep(MODELS_REFRESH_S)
+            try:
+                await self.refresh_models()
+            except Exception as exc:  # noqa: BLE001 - NATS down: keep the last known registry
+                log.debug("model refresh failed: %s", exc)
+
+    async def resolve(self, name: str | None) -> DeploymentInfo:
+        """A served model by name; ``None`` means the default model."""
+        name = name or self.settings.model
+        if name not in self.models:
+            await self.refresh_models()
+        if name in self.models:
+            return self.models[name]
+        if name == self.settings.model and len(self.models) == 1:
+            return next(iter(self.models.values()))
+        known = ", ".join(sorted(self.models)) or "none yet"
+        raise ApiError(404, f"model {name!r} not found; served models: {known}", param="model",
+                       type="model_not_found")
+
+    # --- admission --------------------------------------------------------------------------------
+    async def _on_queue_state(self, msg: Msg) -> None:
+        self.queue_state = QueueState.model_validate_json(msg.data)
+        self._admitted_since_state.clear()
+
+    def admit(self, deployment: str, count: int) -> None:
+        state = self.queue_state
+        if state is None or time.time() - state.at > QUEUE_STATE_STALE_S:
+            return
+        load = state.deployments.get(deployment)
+        depth = (load.depth if load else 0) + self._admitted_since_state.get(deployment, 0)
+        if depth + count > state.max_depth:
+            raise ApiError(
+                429,
+                f"the queue for this model is full ({depth} requests waiting or running, limit "
+                f"{state.max_depth}); retry after {self.settings_retry_after()} s",
+                headers={"Retry-After": str(self.settings_retry_after())},
+            )
+        self._admitted_since_state[deployment] = self._admitted_since_state.get(deployment, 0) + count
+
+    def settings_retry_after(self) -> int:
+        return self.settings.retry_after_s
+
+    # --- submitting -------------------------------------------------------------------------------
+    async def manifest(self, group: str) -> BatchManifest | None:
+        try:
+            entry = await self.batches_kv.get(group)
+        except Exception:  # noqa: BLE001 - KeyNotFoundError and friends
+            return None
+        return BatchManifest.model_validate_json(entry.value) if entry.value else None
+
+    async def submit(self, manifest: BatchManifest | None, items: list[WorkItem], deployment: str) -> None:
+        """Make the batch durable: manifest first, then every item, each awaited until acked."""
+        try:
+            if manifest is not None:
+                await self.batches_kv.put(manifest.group, manifest.model_dump_json().encode())
+            await asyncio.gather(*(
+                bus.publish_durable(self.js, subjects.work(deployment), item.model_dump_json().encode(),
+                                    msg_id=item.request_id, deadline_s=30)
+                for item in items
+            ))
+        except bus.StreamFull as exc:
+            raise ApiError(429, f"the work queue is full: {exc}; retry later",
+                           headers={"Retry-After": str(self.settings_retry_after())}) from exc
+        except bus.BusUnavailable as exc:
+            raise ApiError(503, f"the message bus did not accept the request: {exc}; retry",
+                           headers={"Retry-After": "1"}) from exc
+
+    # --- results ----------------------------------------------------------------------------------
+    async def results(self, group: str) -> "ResultWaiter":
+        waiter = ResultWaiter(self, group)
+        await waiter.open()
+        return waiter
+
+    async def lookup(self, group: str, index: int) -> ResultItem | None:
+        try:
+            raw = await self.js.get_last_msg(subjects.RESULTS_STREAM, subjects.result(group, index),
+                                             direct=True)
+        except NotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - NATS restarting: the caller asks again later
+            log.debug("lookup of %s.%d failed: %s", group, index, exc)
+            return None
+        return ResultItem.model_validate_json(raw.data)
+
+    async def tokens(self, request_id: str):
+        """A core subscription to a request's token deltas (subscribe before publishing work)."""
+        return await self.nc.subscribe(subjects.token_stream(request_id))
+
+    async def request(self, subject: str, payload: bytes = b"", timeout: float = 5.0) -> bytes:
+        try:
+            msg = await self.nc.request(subject, payload, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - no responders, timeout, NATS down
+            raise ApiError(503, f"{subject} did not answer ({type(exc).__name__}); is the service running?") from exc
+        return msg.data
+
+    async def ping(self, service: str, wait_s: float = 0.25) -> list[dict]:
+        """Every running instance of a nats.micro service, from ``$SRV.PING.<name>``."""
+        import json
+
+        inbox = self.nc.new_inbox()
+        replies: list[dict] = []
+
+        async def collect(msg: Msg) -> None:
+            replies.append(json.loads(msg.data))
+
+        sub = await self.nc.subscribe(inbox, cb=collect)
+        try:
+            await self.nc.publish(f"$SRV.PING.{service}", b"", reply=inbox)
+            await asyncio.sleep(wait_s)
+        finally:
+            await sub.unsubscribe()
+        return replies
+
+
+class ResultWaiter:
+    """Collects a group's results: those already stored and those that arrive while we wait."""
+
+    def __init__(self, bridge: Bridge, group: str):
+        self.bridge = bridge
+        self.group = group
+        self.found: dict[int, ResultItem] = {}
+        self._arrived = asyncio.Event()
+        self._sub = None
+
+    async def open(self) -> None:
+        self._sub = await self.bridge.nc.subscribe(subjects.results_of_group(self.group), cb=self._on_msg)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        result = ResultItem.model_validate_json(msg.data)
+        self.found.setdefault(result.index, result)
+        self._arrived.set()
+
+    async def fill_from_store(self, indices: Iterable[int]) -> None:
+        missing = [i for i in indices if i not in self.found]
+        found = await asyncio.gather(*(self.bridge.lookup(self.group, i) for i in missing))
+        for i, result in zip(missing, found):
+            if result is not None:
+                self.found.setdefault(i, result)
+
+    async def wait(self, indices: list[int], timeout_s: float, *, stored_first: bool) -> dict[int, ResultItem]:
+        """Return the results of ``indices`` available within ``timeout_s``."""
+        wanted = set(indices)
+        if stored_first:
+            await self.fill_from_store(wanted)
+        deadline = time.monotonic() + timeout_s
+        next_check = time.monotonic() + RECHECK_S
+        # Invariant: self.found holds every result seen so far; we return as soon as it covers
+        # every wanted index, or when the deadline passes.
+        while not wanted.issubset(self.found):
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if now >= next_check:
+                await self.fill_from_store(wanted)
+                next_check = now + RECHECK_S
+                continue
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout=min(deadline, next_check) - now)
+            except asyncio.TimeoutError:
+                pass
+        return {i: self.found[i] for i in wanted if i in self.found}
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None

@@ -1,0 +1,70 @@
+"""Errors the gateway answers with, in the shape each client family expects.
+
+OpenAI clients read ``{"error": {"message", "type", "param", "code"}}``; ScalarLM's client and
+FastAPI users read ``{"detail": ...}``. Both carry an honest status code.
+"""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
+          413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type or _TYPES.get(status, "server_error")
+        self.headers = headers or {}
+
+
+def is_openai_path(path: str) -> bool:
+    return path in ("/v1/completions", "/v1/chat/completions", "/v1/models") or path.startswith("/v1/models/")
+
+
+def error_response(request: Request, status: int, message: str, *, param: str | None = None,
+                   type: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    if is_openai_path(request.url.path):
+        body = {"error": {"message": message, "type": type or _TYPES.get(status, "server_error"),
+                          "param": param, "code": status}}
+    else:
+        body = {"detail": message}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _describe(errors: list[dict]) -> tuple[str, str | None]:
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    where = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('msg')}", None
+    return f"{where or 'body'}: {first.get('msg')}", where
+
+
+def install(app) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return error_response(request, exc.status, exc.message, param=exc.param, type=exc.type,
+                              headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        message, param = _describe(exc.errors())
+        malformed = any(e.get("type") == "json_invalid" for e in exc.errors())
+        # Malformed JSON is a 400 everywhere; a well-formed body with wrong fields is 400 for OpenAI
+        # routes (as OpenAI answers) and 422 for the others (as ScalarLM/FastAPI answer).
+        status = 400 if malformed or is_openai_path(request.url.path) else 422
+        return error_response(request, status, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error_response(request, exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))

@@ -1,0 +1,45 @@
+"""/v1/health: which services answer, learned over NATS (nats.micro PING), in ScalarLM's shape."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+
+from loopline.common import subjects
+
+router = APIRouter(prefix="/v1/health")
+
+# ScalarLM's keys for the roles, then ours.
+ROLES = {
+    "vllm": subjects.INFERENCE_SERVICE,
+    "megatron": subjects.TRAINER_SERVICE,
+    "queue": subjects.QUEUE_SERVICE,
+    "checkpoint_watcher": subjects.CHECKPOINT_WATCHER_SERVICE,
+}
+# What the serving path needs; the others are reported but do not make the platform "down".
+REQUIRED = ("vllm", "queue")
+
+
+@router.get("")
+async def health(request: Request):
+    bridge = request.app.state.bridge
+    try:
+        replies = await asyncio.gather(*(bridge.ping(name) for name in ROLES.values()))
+    except Exception as exc:  # noqa: BLE001 - NATS itself is down
+        down = {"status": "down", "reason": f"message bus unreachable: {exc}"}
+        return {"api": "up", **{role: down for role in ROLES}, "all": "down", "services": {}}
+    body: dict = {"api": "up"}
+    services = {}
+    for (role, name), instances in zip(ROLES.items(), replies):
+        services[role] = [{"id": i.get("id"), **(i.get("metadata") or {})} for i in instances]
+        body[role] = "up" if instances else {"status": "down", "reason": f"no {name} instance answered"}
+    up = [role for role in REQUIRED if body[role] == "up"]
+    body["all"] = "up" if len(up) == len(REQUIRED) else ("mixed" if up else "down")
+    body["services"] = services
+    return body
+
+
+@router.get("/keepalive")
+async def keepalive():
+    return {"status": "ok"}

@@ -1,0 +1,246 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (SSE or JSON)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from loopline.common import subjects
+from loopline.common.schemas import ResultItem, SamplingParams, TokenDelta
+from loopline.gateway.bridge import Bridge
+from loopline.gateway.errors import ApiError
+from loopline.gateway.openai_models import ChatCompletionRequest, CommonParams, CompletionRequest
+from loopline.gateway.submit import Prompt, fresh_group, submit_prompts
+
+router = APIRouter(prefix="/v1")
+
+# An OpenAI request waits for its answer on the connection; this bounds a wait nobody ends.
+ANSWER_TIMEOUT_S = 600.0
+KEEPALIVE_S = 15.0
+
+
+@router.get("/models")
+async def list_models(request: Request):
+    bridge: Bridge = request.app.state.bridge
+    await bridge.refresh_models()
+    return {"object": "list", "data": [
+        {"id": info.model, "object": "model", "created": int(info.created_at), "owned_by": "loopline",
+         "max_model_len": info.max_model_len, "engine": info.engine}
+        for info in bridge.models.values()
+    ]}
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request):
+    if body.echo or body.logprobs:
+        raise ApiError(400, "echo and logprobs are not supported by this server", param="echo")
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if not prompts:
+        raise ApiError(400, "prompt is empty", param="prompt")
+    return await _serve(request, body, [Prompt(text=p) for p in prompts], chat=False)
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    if body.max_completion_tokens is not None and body.max_tokens is None:
+        body.max_tokens = body.max_completion_tokens
+    return await _serve(request, body, [Prompt(messages=body.messages_as_dicts())], chat=True)
+
+
+async def _serve(request: Request, body: CommonParams, prompts: list[Prompt], *, chat: bool):
+    bridge: Bridge = request.app.state.bridge
+    deployment = await bridge.resolve(body.model)
+    sampling = SamplingParams(
+        max_tokens=body.max_tokens or request.app.state.settings.default_max_tokens,
+        temperature=body.temperature, top_p=body.top_p, stop=body.stop_list(), seed=body.seed, n=body.n,
+    )
+    group = fresh_group()
+    shape = _Shape(chat=chat, model=deployment.model, id=("chatcmpl-" if chat else "cmpl-") + group,
+                   n=body.n)
+    events = _Events(bridge, group, len(prompts))
+    await events.open(stream=body.stream)
+    try:
+        ids = await submit_prompts(bridge, deployment, group, prompts, sampling, kind="openai",
+                                   stream=body.stream)
+        if not body.stream:
+            results = await events.all_results(ANSWER_TIMEOUT_S)
+            return shape.response(results)
+        first = await events.next(ANSWER_TIMEOUT_S)
+    except BaseException:
+        await events.close()
+        raise
+    if isinstance(first, ResultItem) and first.error is not None:
+        await events.close()
+        raise ApiError(first.error.status, first.error.message, type=first.error.type)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    stream = shape.sse(events, first, ids, include_usage)
+    return StreamingResponse(stream, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _Events:
+    """Token deltas and results of one OpenAI request, in arrival order."""
+
+    def __init__(self, bridge: Bridge, group: str, count: int):
+        self.bridge, self.group, self.count = bridge, group, count
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.results: dict[int, ResultItem] = {}
+        self.subs = []
+
+    async def open(self, *, stream: bool) -> None:
+        nc = self.bridge.nc
+
+        async def on_result(msg) -> None:
+            result = ResultItem.model_validate_json(msg.data)
+            if result.index not in self.results:
+                self.results[result.index] = result
+                self.queue.put_nowait(result)
+
+        async def on_delta(msg) -> None:
+            self.queue.put_nowait(TokenDelta.model_validate_json(msg.data))
+
+        self.subs.append(await nc.subscribe(subjects.results_of_group(self.group), cb=on_result))
+        if stream:
+            from loopline.gateway.submit import request_id
+
+            for i in range(self.count):
+                self.subs.append(await nc.subscribe(subjects.token_stream(request_id(self.group, i)),
+                                                    cb=on_delta))
+
+    async def next(self, timeout_s: float) -> TokenDelta | ResultItem | None:
+        """The next event; ``None`` means nothing came for a while (a keep-alive is due)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return await asyncio.wait_for(self.queue.get(), timeout=min(1.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                # A NATS reconnect drops core messages: look the missing results up in the stream.
+                for i in range(self.count):
+                    if i not in self.results:
+                        found = await self.bridge.lookup(self.group, i)
+                        if found is not None:
+                            self.results[i] = found
+                            return found
+                if time.monotonic() >= deadline:
+                    raise ApiError(504, "no inference replica answered in time; the request is still "
+                                        "queued — retry later") from None
+
+    async def all_results(self, timeout_s: float) -> list[ResultItem]:
+        try:
+            while len(self.results) < self.count:
+                await self.next(timeout_s)
+        finally:
+            await self.close()
+        return [self.results[i] for i in range(self.count)]
+
+    async def close(self) -> None:
+        for sub in self.subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - connection closing
+                pass
+        self.subs = []
+
+
+class _Shape:
+    """Builds OpenAI's response objects for completions and chat."""
+
+    def __init__(self, *, chat: bool, model: str, id: str, n: int):
+        self.chat, self.model, self.id, self.n = chat, model, id, n
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _choice(self, index: int, text: str, finish: str | None) -> dict:
+        if self.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def response(self, results: list[ResultItem]) -> dict:
+        for result in results:
+            if result.error is not None:
+                raise ApiError(result.error.status, result.error.message, type=result.error.type)
+        choices = [self._choice(r.index * self.n + c.index, c.text, _finish(c.finish_reason))
+                   for r in results for c in r.choices]
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": _usage(results)}
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            obj["usage"] = usage
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    def _delta(self, index: int, text: str | None, finish: str | None, role: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    async def sse(self, events: _Events, first, ids: list[str], include_usage: bool) -> AsyncIterator[str]:
+        index_of = {rid: i for i, rid in enumerate(ids)}
+        sent_tokens: dict[int, int] = {}
+        sent_text: dict[int, str] = {}
+        try:
+            if self.chat:
+                for i in range(len(ids) * self.n):
+                    yield self._chunk([self._delta(i, None, None, role=True)])
+            event = first
+            idle = 0.0
+            done: set[int] = set()
+            # Invariant: sent_text[k] is exactly what the client has of choice k; a result is the
+            # authority, so whatever deltas were lost or repeated, the client ends with its text.
+            while True:
+                if isinstance(event, TokenDelta):
+                    k = index_of[event.request_id] * self.n + event.choice
+                    if event.tokens > sent_tokens.get(k, 0) and k // self.n not in done:
+                        sent_tokens[k] = event.tokens
+                        sent_text[k] = sent_text.get(k, "") + event.text
+                        yield self._chunk([self._delta(k, event.text, None)])
+                elif isinstance(event, ResultItem) and event.index not in done:
+                    done.add(event.index)
+                    if event.error is not None:
+                        err = {"error": {"message": event.error.message, "type": event.error.type,
+                                         "code": event.error.status}}
+                        yield f"data: {json.dumps(err)}\n\n"
+                    for c in event.choices:
+                        k = event.index * self.n + c.index
+                        have = sent_text.get(k, "")
+                        rest = c.text[len(have):] if c.text.startswith(have) else ""
+                        yield self._chunk([self._delta(k, rest, _finish(c.finish_reason))])
+                    if len(done) == len(ids):
+                        break
+                elif event is None:
+                    idle += KEEPALIVE_S
+                    if idle > ANSWER_TIMEOUT_S:
+                        err = {"error": {"message": "no inference replica answered in time", "code": 504}}
+                        yield f"data: {json.dumps(err)}\n\n"
+                        break
+                    yield ": keep-alive\n\n"
+                try:
+                    event = await events.next(KEEPALIVE_S)
+                    idle = 0.0
+                except ApiError:
+                    event = None
+            if include_usage:
+                results = [events.results[i] for i in sorted(events.results)]
+                yield self._chunk([], usage=_usage(results))
+            yield "data: [DONE]\n\n"
+        finally:
+            await events.close()
+
+
+def _finish(reason: str | None) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _usage(results: list[ResultItem]) -> dict:
+    prompt = sum(r.prompt_tokens for r in results)
+    completion = sum(r.completion_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

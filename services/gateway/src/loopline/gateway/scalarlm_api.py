@@ -1,0 +1,191 @@
+"""ScalarLM-compatible generate routes (contract: shared/reference/scalarlm-api.md §1).
+
+Where ScalarLM answers 500 or 200+null for a client mistake, we answer the honest 4xx; where its
+client relies on a behaviour (long-poll with null for "not yet", zero-padded ids), we keep it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request, UploadFile
+from pydantic import BaseModel, Field
+
+from loopline.common import subjects
+from loopline.common.schemas import ClearQueueReply, QueueMetrics, ResultItem, SamplingParams
+from loopline.gateway.bridge import Bridge
+from loopline.gateway.errors import ApiError
+from loopline.gateway.submit import Prompt, content_group, request_id, split_request_id, submit_prompts
+
+router = APIRouter(prefix="/v1/generate")
+
+
+class GenerateRequest(BaseModel):
+    prompts: list[Any]
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    tools: Any = None
+    tool_choice: Any = None
+
+
+class ResultsRequest(BaseModel):
+    request_ids: list[str]
+
+
+class DownloadRequest(BaseModel):
+    request_id: str
+
+
+def bridge_of(request: Request) -> Bridge:
+    return request.app.state.bridge
+
+
+def parse_prompt(entry: Any, where: str) -> Prompt:
+    if isinstance(entry, str):
+        return Prompt(text=entry)
+    if isinstance(entry, dict) and isinstance(entry.get("prompt"), str):
+        return Prompt(text=entry["prompt"])
+    if isinstance(entry, dict) and isinstance(entry.get("messages"), list) and entry["messages"]:
+        return Prompt(messages=entry["messages"])
+    raise ApiError(400, f"{where} must be a string, {{\"prompt\": str}} or {{\"messages\": [...]}}",
+                   param="prompts")
+
+
+def result_entry(rid: str, result: ResultItem | None) -> dict:
+    if result is None:
+        return {"request_id": rid, "response": None, "error": None}
+    if result.error is not None:
+        return {"request_id": rid, "response": None, "error": result.error.message}
+    return {"request_id": rid, "response": result.choices[0].text if result.choices else "",
+            "error": None, "token_count": result.completion_tokens}
+
+
+async def collect(bridge: Bridge, ids: list[str], timeout_s: float, *, stored_first: bool) -> list[dict]:
+    """Long-poll: wait up to ``timeout_s`` for the results of ``ids``; null for what is not done."""
+    by_group: dict[str, list[int]] = {}
+    for rid in ids:
+        group, index = split_request_id(rid)
+        by_group.setdefault(group, []).append(index)
+    found: dict[str, ResultItem] = {}
+    for group, indices in by_group.items():
+        waiter = await bridge.results(group)
+        try:
+            got = await waiter.wait(indices, timeout_s, stored_first=stored_first)
+        finally:
+            await waiter.close()
+        found.update({request_id(group, i): r for i, r in got.items()})
+        if not got and stored_first and await bridge.manifest(group) is None:
+            raise ApiError(404, f"no request with ids {request_id(group, indices[0])}…: unknown or expired",
+                           param="request_ids")
+    return [result_entry(rid, found.get(rid)) for rid in ids]
+
+
+@router.post("")
+async def generate(body: GenerateRequest, request: Request):
+    bridge = bridge_of(request)
+    settings = request.app.state.settings
+    if not body.prompts:
+        raise ApiError(400, "prompts is empty: send at least one prompt", param="prompts")
+    if len(body.prompts) > settings.max_prompts_per_request:
+        raise ApiError(413, f"{len(body.prompts)} prompts in one request; the limit is "
+                            f"{settings.max_prompts_per_request}: use /v1/generate/upload")
+    prompts = [parse_prompt(p, f"prompts[{i}]") for i, p in enumerate(body.prompts)]
+    deployment = await bridge.resolve(body.model)
+    max_tokens = body.max_tokens or settings.default_max_tokens
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=body.temperature)
+    group = content_group({"prompts": body.prompts, "model": deployment.model,
+                           "max_tokens": max_tokens, "temperature": body.temperature})
+    ids = await submit_prompts(bridge, deployment, group, prompts, sampling, kind="generate",
+                               skip_if_known=True)
+    return {"results": await collect(bridge, ids, settings.response_timeout_s, stored_first=True)}
+
+
+@router.post("/get_results")
+async def get_results(body: ResultsRequest, request: Request):
+    if not body.request_ids:
+        raise ApiError(400, "request_ids is empty", param="request_ids")
+    results = await collect(bridge_of(request), body.request_ids,
+                            request.app.state.settings.response_timeout_s, stored_first=True)
+    return {"results": results}
+
+
+@router.post("/upload")
+async def upload(file: UploadFile, request: Request):
+    bridge = bridge_of(request)
+    settings = request.app.state.settings
+    data = await file.read(settings.max_upload_bytes + 1)
+    if len(data) > settings.max_upload_bytes:
+        raise ApiError(413, f"the upload is larger than {settings.max_upload_bytes} bytes")
+    try:
+        entries = json.loads(data)
+    except ValueError as exc:
+        raise ApiError(400, f"the uploaded file is not valid JSON: {exc}") from exc
+    if not isinstance(entries, list) or not entries:
+        raise ApiError(400, "the uploaded file must be a non-empty JSON array of requests")
+    group = hashlib.sha256(data).hexdigest()
+    if await bridge.manifest(group) is not None:
+        return {"request_id": group, "error": None}
+    # One batch may name several models or lengths; each run of equal settings is published together.
+    runs: dict[tuple[str | None, int], list[tuple[int, Prompt]]] = {}
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ApiError(400, f"request {i} must be an object with a prompt")
+        prompt = parse_prompt(entry, f"request {i}")
+        max_tokens = entry.get("max_tokens") or settings.default_max_tokens
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ApiError(400, f"request {i}: max_tokens must be a positive integer")
+        runs.setdefault((entry.get("model"), max_tokens), []).append((i, prompt))
+    from loopline.common.schemas import BatchManifest, WorkItem
+
+    plans = []
+    for (model, max_tokens), members in runs.items():
+        deployment = await bridge.resolve(model)
+        plans.append((deployment, max_tokens, members))
+    for deployment, max_tokens, members in plans:
+        bridge.admit(deployment.deployment, len(members))
+    manifest = BatchManifest(group=group, total=len(entries), model=plans[0][0].model, kind="upload")
+    for n, (deployment, max_tokens, members) in enumerate(plans):
+        items = [WorkItem(request_id=request_id(group, i), group=group, index=i, model=deployment.model,
+                          prompt=p.text, messages=p.messages,
+                          sampling=SamplingParams(max_tokens=max_tokens))
+                 for i, p in members]
+        # The manifest goes last: a batch is "known" only once all its work is durable.
+        await bridge.submit(manifest if n == len(plans) - 1 else None, items, deployment.deployment)
+    return {"request_id": group, "error": None}
+
+
+@router.post("/download")
+async def download(body: DownloadRequest, request: Request):
+    bridge = bridge_of(request)
+    manifest = await bridge.manifest(body.request_id)
+    if manifest is None:
+        raise ApiError(404, f"no uploaded batch {body.request_id!r}: unknown or expired", param="request_id")
+    waiter = await bridge.results(manifest.group)
+    try:
+        found = await waiter.wait(list(range(manifest.total)), request.app.state.settings.response_timeout_s,
+                                  stored_first=True)
+    finally:
+        await waiter.close()
+    results = {}
+    for i, result in sorted(found.items()):
+        entry = result_entry(request_id(manifest.group, i), result)
+        entry["is_acked"] = True
+        results[entry.pop("request_id")] = entry
+    # current_index < total_requests tells ScalarLM's client to ask again.
+    return {"results": results, "current_index": len(found), "total_requests": manifest.total,
+            "work_queue_id": manifest.group}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    data = await bridge_of(request).request(subjects.SVC_QUEUE_METRICS)
+    return QueueMetrics.model_validate_json(data).model_dump(by_alias=True)
+
+
+@router.post("/clear_queue")
+async def clear_queue(request: Request):
+    data = await bridge_of(request).request(subjects.SVC_QUEUE_CLEAR, timeout=30)
+    return ClearQueueReply.model_validate_json(data).model_dump()

@@ -1,0 +1,75 @@
+"""Turning accepted prompts into work items, shared by the OpenAI and ScalarLM routes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from loopline.common.schemas import BatchManifest, DeploymentInfo, SamplingParams, WorkItem
+from loopline.gateway.bridge import Bridge
+from loopline.gateway.errors import ApiError
+
+
+@dataclass
+class Prompt:
+    """One prompt as the gateway understands it: plain text or chat messages."""
+
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+def request_id(group: str, index: int) -> str:
+    # Zero-padded so ScalarLM's client, which sorts ids as strings in places, keeps prompt order.
+    return f"{group}_{index:09d}"
+
+
+def split_request_id(rid: str) -> tuple[str, int]:
+    group, _, index = rid.rpartition("_")
+    if not group or not index.isdigit():
+        raise ApiError(400, f"malformed request id {rid!r}: expected <group>_<index>", param="request_ids")
+    return group, int(index)
+
+
+def content_group(payload: Any) -> str:
+    """ScalarLM batches are content-addressed: an identical resubmission finds its answers."""
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def fresh_group() -> str:
+    return uuid.uuid4().hex
+
+
+def check_max_tokens(deployment: DeploymentInfo, max_tokens: int) -> None:
+    if max_tokens > deployment.max_model_len:
+        raise ApiError(
+            400,
+            f"max_tokens={max_tokens} is beyond this model's context length of "
+            f"{deployment.max_model_len} tokens; lower it",
+            param="max_tokens",
+        )
+
+
+async def submit_prompts(bridge: Bridge, deployment: DeploymentInfo, group: str, prompts: list[Prompt],
+                         sampling: SamplingParams, *, kind: str, stream: bool = False,
+                         skip_if_known: bool = False) -> list[str]:
+    """Publish one work item per prompt; returns their request ids in prompt order."""
+    check_max_tokens(deployment, sampling.max_tokens)
+    ids = [request_id(group, i) for i in range(len(prompts))]
+    if skip_if_known and await bridge.manifest(group) is not None:
+        return ids  # accepted before: its work is queued or its results are stored
+    bridge.admit(deployment.deployment, len(prompts))
+    items = [
+        WorkItem(request_id=rid, group=group, index=i, model=deployment.model, prompt=p.text,
+                 messages=p.messages, sampling=sampling, stream=stream)
+        for i, (rid, p) in enumerate(zip(ids, prompts))
+    ]
+    # OpenAI requests are answered on the connection that made them, so they need no manifest;
+    # ScalarLM batches are polled for later, possibly through another gateway.
+    manifest = None if kind == "openai" else BatchManifest(
+        group=group, total=len(prompts), model=deployment.model, kind=kind)
+    await bridge.submit(manifest, items, deployment.deployment)
+    return ids

@@ -1,0 +1,1 @@
+"""Loopline inference service: an engine fed from JetStream."""

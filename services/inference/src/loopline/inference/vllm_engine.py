@@ -1,0 +1,82 @@
+"""vLLM in-process: one ``AsyncLLM`` whose scheduler batches every request we hand it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+
+from loopline.inference.engine import Delta, Engine, EngineInfo, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+# Settings measured to start fast and run best on small CPU machines (see docs/ENVIRONMENT notes);
+# a user's own environment wins.
+_CPU_DEFAULTS = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"),
+}
+
+
+class VllmEngine(Engine):
+    def __init__(self, model_path: str, *, max_model_len: int | None, max_num_seqs: int, dtype: str):
+        self.model_path = model_path
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.dtype = dtype
+        self.llm = None
+
+    async def start(self) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            for key, value in _CPU_DEFAULTS.items():
+                os.environ.setdefault(key, value)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=self.model_path,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            dtype=self.dtype,
+            enable_prefix_caching=True,
+            disable_log_stats=True,
+        )
+        self.llm = AsyncLLM.from_engine_args(args)
+        max_len = self.llm.vllm_config.model_config.max_model_len
+        self.info = EngineInfo(name="vllm", max_model_len=max_len)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        s = request.sampling
+        params = SamplingParams(
+            n=s.n,
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            stop=list(s.stop) or None,
+            seed=s.seed,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        counts = [0] * s.n
+        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        async for output in self.llm.generate(prompt, params, request.request_id):
+            for out in output.outputs:
+                counts[out.index] += len(out.token_ids)
+                if out.text or out.finish_reason:
+                    yield Delta(out.index, out.text, counts[out.index], out.finish_reason)
+
+    async def abort(self, request_id: str) -> None:
+        if self.llm is not None:
+            await self.llm.abort(request_id)
+
+    async def stop(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None

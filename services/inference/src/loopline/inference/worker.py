@@ -1,0 +1,166 @@
+"""The replica's loop: pull work sized to free engine capacity, generate, publish, then ack.
+
+A message is acked only after its result is durable in RESULTS, so a replica killed at any point
+loses nothing: JetStream redelivers what it had not acked to another replica. Results carry the
+request id as ``Nats-Msg-Id``, so a request answered twice is stored once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+
+from loopline.common import bus, subjects
+from loopline.common.schemas import Choice, ErrorInfo, ResultItem, TokenDelta, WorkItem
+from loopline.common.telemetry import context_from_headers, tracer
+from loopline.inference.engine import Engine
+from loopline.inference.prompts import PromptBuilder, PromptError
+
+log = logging.getLogger(__name__)
+_tracer = tracer("loopline.inference")
+
+
+class Worker:
+    def __init__(self, nc: NATS, js: JetStreamContext, engine: Engine, prompts: PromptBuilder, *,
+                 deployment: str, replica: str, max_inflight: int, ack_wait_s: float, max_deliver: int):
+        self.nc, self.js, self.engine, self.prompts = nc, js, engine, prompts
+        self.deployment, self.replica = deployment, replica
+        self.max_inflight = max_inflight
+        self.ack_wait_s = ack_wait_s
+        self.max_deliver = max_deliver
+        self.inflight: dict[str, Msg] = {}
+        self.capacity_freed = asyncio.Event()
+        self.stopping = asyncio.Event()
+        self.served = 0
+
+    async def run(self) -> None:
+        psub = await self.js.pull_subscribe_bind(
+            subjects.inference_durable(self.deployment), stream=subjects.WORK_STREAM
+        )
+        keepalive = asyncio.create_task(self._keep_inflight_alive())
+        # Invariant: len(self.inflight) <= self.max_inflight, and every message we hold is either in
+        # self.inflight (being generated) or already acked.
+        while not self.stopping.is_set():
+            free = self.max_inflight - len(self.inflight)
+            if free <= 0:
+                self.capacity_freed.clear()
+                await self.capacity_freed.wait()
+                continue
+            msgs = await self._pull(psub, free)
+            for msg in msgs:
+                self._start(msg)
+        keepalive.cancel()
+
+    async def _pull(self, psub, free: int) -> list[Msg]:
+        """Wait for one message, then take whatever else is already waiting, up to ``free``.
+
+        Asking for ``free`` at once would make the client hold the first message until the batch
+        fills or the pull expires; this way a lone request starts the moment it arrives.
+        """
+        try:
+            msgs = await psub.fetch(1, timeout=2.0)
+        except (NatsTimeoutError, asyncio.TimeoutError):
+            return []
+        except Exception as exc:  # noqa: BLE001 - NATS restarting: wait, reconnect, go on
+            log.warning("pull failed (%s); retrying", exc)
+            await asyncio.sleep(0.25)
+            return []
+        if free > 1:
+            try:
+                msgs += await psub.fetch(free - 1, timeout=0.005)
+            except Exception:  # noqa: BLE001 - nothing else waiting
+                pass
+        return msgs
+
+    def _start(self, msg: Msg) -> None:
+        key = f"{msg.metadata.sequence.stream}"
+        self.inflight[key] = msg
+        task = asyncio.create_task(self._handle(msg))
+        task.add_done_callback(lambda _t: self._finished(key))
+
+    def _finished(self, key: str) -> None:
+        self.inflight.pop(key, None)
+        self.capacity_freed.set()
+
+    async def _handle(self, msg: Msg) -> None:
+        try:
+            item = WorkItem.model_validate_json(msg.data)
+        except ValueError:
+            log.error("dropping a malformed work item: %r", msg.data[:200])
+            await msg.term()
+            return
+        ctx = context_from_headers(msg.headers)
+        with _tracer.start_as_current_span("inference.generate", context=ctx) as span:
+            span.set_attribute("loopline.request_id", item.request_id)
+            try:
+                result = await self._generate(item)
+            except Exception as exc:  # noqa: BLE001 - an engine failure: let another replica try
+                log.exception("generation of %s failed", item.request_id)
+                if msg.metadata.num_delivered < self.max_deliver:
+                    await msg.nak(delay=1.0)
+                    return
+                result = self._error(item, 500, f"generation failed: {exc}", "server_error")
+            await bus.publish_durable(
+                self.js, subjects.result(item.group, item.index), result.model_dump_json().encode(),
+                msg_id=item.request_id,
+            )
+            await msg.ack()
+            self.served += 1
+
+    async def _generate(self, item: WorkItem) -> ResultItem:
+        started = time.time()
+        try:
+            request = self.prompts.build(item)
+        except PromptError as exc:
+            return self._error(item, exc.status, exc.message)
+        texts = [""] * item.sampling.n
+        reasons: list[str | None] = [None] * item.sampling.n
+        counts = [0] * item.sampling.n
+        stream_subject = subjects.token_stream(item.request_id) if item.stream else None
+        async for delta in self.engine.generate(request):
+            texts[delta.choice] += delta.text
+            counts[delta.choice] = delta.tokens
+            if delta.finish_reason:
+                reasons[delta.choice] = delta.finish_reason
+            if stream_subject and delta.text:
+                token = TokenDelta(request_id=item.request_id, choice=delta.choice, text=delta.text,
+                                   tokens=delta.tokens)
+                # Core NATS, fire and forget: the durable answer is the result message.
+                await self.nc.publish(stream_subject, token.model_dump_json().encode())
+        return ResultItem(
+            request_id=item.request_id, group=item.group, index=item.index, model=item.model,
+            choices=[Choice(index=i, text=t, finish_reason=reasons[i], completion_tokens=counts[i])
+                     for i, t in enumerate(texts)],
+            prompt_tokens=len(request.prompt_token_ids), replica=self.replica, started_at=started,
+        )
+
+    def _error(self, item: WorkItem, status: int, message: str, kind: str = "invalid_request_error"):
+        return ResultItem(
+            request_id=item.request_id, group=item.group, index=item.index, model=item.model,
+            error=ErrorInfo(status=status, message=message, type=kind), replica=self.replica,
+        )
+
+    async def _keep_inflight_alive(self) -> None:
+        """Tell JetStream that long generations are still being worked on, so it does not
+        redeliver them to another replica while this one is healthy."""
+        while True:
+            await asyncio.sleep(self.ack_wait_s / 3)
+            for msg in list(self.inflight.values()):
+                try:
+                    await msg.in_progress()
+                except Exception:  # noqa: BLE001 - NATS down: redelivery will sort it out
+                    pass
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop pulling and give in-flight requests ``timeout_s`` to finish."""
+        self.stopping.set()
+        self.capacity_freed.set()
+        deadline = time.monotonic() + timeout_s
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)

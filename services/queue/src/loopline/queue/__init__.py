@@ -1,0 +1,1 @@
+"""Loopline queue service: request ledger, admission control, dead letters, metrics."""

@@ -1,0 +1,110 @@
+"""Dead letters: a work item that no replica completed within its consumer's ``max_deliver``.
+
+JetStream stops delivering such a message and announces it with an advisory, but keeps it in
+WORK. We answer the client with a 503 result (otherwise it would poll forever), record the dead
+letter, and delete the message so it is not retained until max-age.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+from pydantic import ValidationError
+from sqlalchemy import Engine
+
+from loopline.common import bus, subjects
+from loopline.common.schemas import ErrorInfo, ResultItem, WorkItem
+from loopline.queue import ledger
+from loopline.queue.records import DeadLetter, MaxDeliveriesAdvisory
+
+log = logging.getLogger(__name__)
+
+
+def failure_result(item: WorkItem, deliveries: int) -> ResultItem:
+    return ResultItem(
+        request_id=item.request_id,
+        group=item.group,
+        index=item.index,
+        model=item.model,
+        error=ErrorInfo(
+            status=503,
+            message=(
+                f"request {item.request_id} failed: no inference replica completed it after "
+                f"{deliveries} deliveries; resubmit it or check the inference service logs"
+            ),
+            type="server_error",
+        ),
+    )
+
+
+class DeadLetters:
+    def __init__(self, nc: NATS, js: JetStreamContext, engine: Engine) -> None:
+        self._nc = nc
+        self._js = js
+        self._engine = engine
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        # Advisories are core NATS messages: the queue group hands each to one queue replica.
+        sub = await self._nc.subscribe(subjects.max_deliveries_advisory(), queue=subjects.QUEUE_SERVICE)
+        # Invariant: an advisory is handled to the end (result published, dead letter recorded,
+        # message deleted) before the next is read, and each step is idempotent, so an advisory
+        # seen twice, or handled again after a crash half-way, changes nothing.
+        while not stopping.is_set():
+            try:
+                msg = await sub.next_msg(timeout=0.5)
+            except asyncio.TimeoutError:  # nats.errors.TimeoutError subclasses it
+                continue
+            try:
+                await self.handle(MaxDeliveriesAdvisory.from_json(msg.data))
+            except Exception:  # noqa: BLE001 - one bad advisory must not stop the others
+                log.exception("handling max-deliveries advisory %r failed", msg.data[:200])
+        await sub.unsubscribe()
+
+    async def handle(self, advisory: MaxDeliveriesAdvisory) -> None:
+        if advisory.stream != subjects.WORK_STREAM:
+            return
+        try:
+            raw = await self._js.get_msg(subjects.WORK_STREAM, advisory.stream_seq)
+        except NotFoundError:
+            return  # handled already (we delete the message last), or purged by clear_queue
+        try:
+            item = WorkItem.model_validate_json(raw.data or b"")
+        except ValidationError:
+            log.error("dead letter %d in WORK is not a work item; deleting it", advisory.stream_seq)
+            await self._delete(advisory.stream_seq)
+            return
+
+        result = failure_result(item, advisory.deliveries)
+        # Same Nats-Msg-Id as a real result, so whichever of the two comes second is dropped.
+        await bus.publish_durable(
+            self._js,
+            subjects.result(item.group, item.index),
+            result.model_dump_json().encode(),
+            msg_id=item.request_id,
+        )
+        letter = DeadLetter(
+            request_id=item.request_id,
+            stream_seq=advisory.stream_seq,
+            deliveries=advisory.deliveries,
+            payload=(raw.data or b"").decode(errors="replace"),
+            failed_at=time.time(),
+        )
+        await asyncio.to_thread(ledger.write_dead_letter, self._engine, letter)
+        await self._delete(advisory.stream_seq)
+        log.warning(
+            "request %s dead-lettered after %d deliveries on %s",
+            item.request_id,
+            advisory.deliveries,
+            advisory.consumer,
+        )
+
+    async def _delete(self, seq: int) -> None:
+        try:
+            await self._js.delete_msg(subjects.WORK_STREAM, seq)
+        except NotFoundError:
+            pass

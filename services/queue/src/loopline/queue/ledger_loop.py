@@ -1,0 +1,185 @@
+"""The ledger's two feeds: pull work items from WORK and results from RESULTS, write them to SQL in
+batches, ack them after the commit.
+
+The hot path never waits on this: the gateway is done once JetStream has the work item, and the
+ledger catches up from its durable consumers, even after being down for a while.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
+from pydantic import BaseModel, ValidationError
+from sqlalchemy import Engine
+from sqlalchemy.exc import DataError, IntegrityError
+
+from loopline.common import subjects
+from loopline.common.schemas import BatchManifest, ResultItem, WorkItem
+from loopline.queue import ledger
+
+log = logging.getLogger(__name__)
+
+Item = TypeVar("Item", WorkItem, ResultItem)
+
+# How long one fetch waits for a first message; also the longest a shutdown waits on this loop.
+FETCH_WAIT_S = 1.0
+RETRY_DELAY_S = 1.0
+# A manifest lookup that failed for a reason other than "no such key": ask again next time.
+_UNKNOWN = object()
+
+
+class BatchManifests:
+    """The gateway's manifest of each group, looked up once per group in the BATCHES bucket.
+
+    A group with no manifest (an older gateway, or one that expired) is remembered as such, so the
+    writer falls back to inferring the batch from its requests without asking again.
+    """
+
+    def __init__(self, js: JetStreamContext, remember: int = 50_000) -> None:
+        self._js = js
+        self._remember = remember
+        self._known: OrderedDict[str, BatchManifest | None] = OrderedDict()
+
+    async def lookup(self, groups: Iterable[str]) -> dict[str, BatchManifest]:
+        found: dict[str, BatchManifest] = {}
+        for group in set(groups):
+            if group not in self._known:
+                manifest = await self._fetch(group)
+                if manifest is _UNKNOWN:
+                    continue  # not known either way; try again with the next message of the group
+                self._known[group] = manifest
+                if len(self._known) > self._remember:
+                    self._known.popitem(last=False)
+            manifest = self._known.get(group)
+            if manifest is not None:
+                found[group] = manifest
+        return found
+
+    async def _fetch(self, group: str):
+        try:
+            kv = await self._js.key_value(subjects.BATCHES_BUCKET)
+            entry = await kv.get(group)
+            return BatchManifest.model_validate_json(entry.value or b"")
+        except KeyNotFoundError:
+            return None
+        except ValidationError:
+            log.warning("batch manifest of %s does not parse; inferring the batch", group)
+            return None
+        except Exception as exc:  # noqa: BLE001 - a NATS hiccup must not stop the ledger
+            log.debug("manifest lookup for %s failed: %s", group, exc)
+            return _UNKNOWN
+
+
+@dataclass
+class Feed(Generic[Item]):
+    """One durable consumer and how to write what it delivers."""
+
+    name: str
+    stream: str
+    durable: str
+    schema: type[Item]
+    write: Callable[[Engine, list[Item], Mapping[str, BatchManifest]], None]
+
+
+WORK_FEED = Feed(
+    "work", subjects.WORK_STREAM, subjects.LEDGER_WORK_DURABLE, WorkItem, ledger.write_work_items
+)
+RESULTS_FEED = Feed(
+    "results", subjects.RESULTS_STREAM, subjects.LEDGER_RESULTS_DURABLE, ResultItem, ledger.write_results
+)
+
+
+async def run_feed(
+    feed: Feed,
+    js: JetStreamContext,
+    engine: Engine,
+    manifests: BatchManifests,
+    *,
+    batch: int,
+    stopping: asyncio.Event,
+) -> None:
+    sub = await js.pull_subscribe_bind(feed.durable, feed.stream)
+    # Invariant: a message is acked only after the transaction holding its row has committed (or
+    # termed, when it can never be written). A crash anywhere in between re-delivers it, and the
+    # upserts make the second write a no-op.
+    while not stopping.is_set():
+        try:
+            msgs = await sub.fetch(batch, timeout=FETCH_WAIT_S)
+        except asyncio.TimeoutError:
+            # nats-py raises its own TimeoutError or a bare asyncio one depending on where the
+            # wait ran out; the first subclasses the second.
+            continue
+        except Exception as exc:  # noqa: BLE001 - reconnects surface here; keep pulling
+            log.warning("ledger %s: fetch failed: %s", feed.name, exc)
+            await _sleep_unless(stopping, RETRY_DELAY_S)
+            continue
+
+        items: list[BaseModel] = []
+        good: list[Msg] = []
+        for msg in msgs:
+            try:
+                items.append(feed.schema.model_validate_json(msg.data))
+                good.append(msg)
+            except ValidationError as exc:
+                # Redelivering a payload that cannot parse would only fail again, forever.
+                log.error("ledger %s: dropping unparsable message %s: %s", feed.name, msg.subject, exc)
+                await msg.term()
+
+        try:
+            found = await manifests.lookup(item.group for item in items)
+            refused = await _write(feed, engine, items, good, found)
+        except Exception:  # noqa: BLE001 - the database may be restarting; let JetStream retry
+            log.exception(
+                "ledger %s: writing %d rows failed; they will be redelivered", feed.name, len(items)
+            )
+            for msg in good:
+                await msg.nak(delay=RETRY_DELAY_S)
+            await _sleep_unless(stopping, RETRY_DELAY_S)
+            continue
+
+        refused_ids = {id(msg) for msg in refused}
+        for msg in good:
+            if id(msg) in refused_ids:
+                await msg.term()
+            else:
+                await msg.ack()
+    await sub.unsubscribe()
+
+
+async def _write(
+    feed: Feed, engine: Engine, items: list, msgs: list[Msg], found: Mapping[str, BatchManifest]
+) -> list[Msg]:
+    """Write the batch in one transaction; returns the messages whose rows the database refused.
+
+    A row the database refuses for its content (an id longer than its column, say) would fail the
+    batch on every redelivery and hold the rest back forever, so then the batch is written again
+    one row at a time and only the refused rows are dropped.
+    """
+    try:
+        await asyncio.to_thread(feed.write, engine, items, found)
+        return []
+    except (DataError, IntegrityError):
+        if len(items) == 1:
+            log.exception(
+                "ledger %s: the database refuses %.120s; dropping it", feed.name, items[0].request_id
+            )
+            return list(msgs)
+    refused: list[Msg] = []
+    for item, msg in zip(items, msgs, strict=True):
+        refused += await _write(feed, engine, [item], [msg], found)
+    return refused
+
+
+async def _sleep_unless(stopping: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stopping.wait(), timeout=seconds)
+    except asyncio.TimeoutError:
+        pass
