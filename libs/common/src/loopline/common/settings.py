@@ -26,9 +26,12 @@ class CommonSettings(BaseSettings):
     # Names this process among replicas of its service; defaults to host-pid.
     replica_id: str | None = None
 
+    # Prepared models (converted SmolLM2, the tiny test model); shared by stacks when set.
+    models_path: Path | None = Field(default=None, validation_alias="LOOPLINE_MODELS_DIR")
+
     @property
     def models_dir(self) -> Path:
-        return self.state_dir / "models"
+        return self.models_path or self.state_dir / "models"
 
 
 class GatewaySettings(CommonSettings):

@@ -1,0 +1,89 @@
+"""Bad input gets a clear 4xx in the client's error shape, never a 500 or a hang."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+
+@pytest.fixture(scope="module")
+def http(stack):
+    with httpx.Client(base_url=stack.url, timeout=60) as client:
+        yield client
+
+
+def openai_error(resp: httpx.Response, status: int) -> str:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == status and error["message"]
+    return error["message"]
+
+
+def test_malformed_json(http):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        resp = http.post(path, content=b'{"prompt": "x",', headers={"content-type": "application/json"})
+        assert "not valid JSON" in openai_error(resp, 400)
+    resp = http.post("/v1/generate", content=b"{nope", headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and "not valid JSON" in resp.json()["detail"]
+
+
+def test_unknown_model(http):
+    resp = http.post("/v1/completions", json={"model": "no-such-model", "prompt": "x"})
+    assert "no-such-model" in openai_error(resp, 404)
+    resp = http.post("/v1/generate", json={"prompts": ["x"], "model": "no-such-model"})
+    assert resp.status_code == 404 and "not found" in resp.json()["detail"]
+
+
+def test_max_tokens_beyond_the_context(http, stack):
+    resp = http.post("/v1/completions", json={"model": stack.model, "prompt": "x", "max_tokens": 10**6})
+    assert "context length" in openai_error(resp, 400)
+    # Within the context alone but not together with the prompt: the engine's check answers.
+    max_len = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    long_prompt = "word " * (max_len // 2)
+    resp = http.post("/v1/completions", json={"model": stack.model, "prompt": long_prompt,
+                                              "max_tokens": max_len - 2})
+    assert "maximum context length" in openai_error(resp, 400)
+    resp = http.post("/v1/generate", json={"prompts": ["x"], "max_tokens": 10**6})
+    assert resp.status_code == 400
+
+
+def test_oversized_body(http, stack):
+    big = {"model": stack.model, "prompt": "x" * (2 * 1024 * 1024)}
+    assert "larger than" in openai_error(http.post("/v1/completions", json=big), 413)
+    resp = http.post("/v1/generate", json={"prompts": ["x" * (2 * 1024 * 1024)]})
+    assert resp.status_code == 413
+
+
+def test_empty_prompt_lists(http, stack):
+    resp = http.post("/v1/generate", json={"prompts": []})
+    assert resp.status_code == 400 and "empty" in resp.json()["detail"]
+    assert "empty" in openai_error(http.post("/v1/completions", json={"model": stack.model, "prompt": []}), 400)
+    resp = http.post("/v1/chat/completions", json={"model": stack.model, "messages": []})
+    openai_error(resp, 400)
+    resp = http.post("/v1/generate/get_results", json={"request_ids": []})
+    assert resp.status_code == 400
+
+
+def test_wrong_types_and_values(http, stack):
+    resp = http.post("/v1/completions", json={"model": stack.model, "prompt": "x", "max_tokens": "many"})
+    assert "max_tokens" in openai_error(resp, 400)
+    resp = http.post("/v1/completions", json={"model": stack.model, "prompt": "x", "temperature": -1})
+    assert "temperature" in openai_error(resp, 400)
+    resp = http.post("/v1/generate", json={"prompts": [42]})
+    assert resp.status_code == 400
+    resp = http.post("/v1/generate", json={"prompts": "not a list"})
+    assert resp.status_code == 422
+
+
+def test_unknown_results_are_404(http):
+    resp = http.post("/v1/generate/get_results", json={"request_ids": ["f" * 64 + "_000000000"]})
+    assert resp.status_code == 404
+    resp = http.post("/v1/generate/download", json={"request_id": "f" * 64})
+    assert resp.status_code == 404
+    resp = http.post("/v1/generate/get_results", json={"request_ids": ["no-index"]})
+    assert resp.status_code == 400
+
+
+def test_upload_that_is_not_json(http):
+    resp = http.post("/v1/generate/upload", files={"file": ("requests.json", b"not json")})
+    assert resp.status_code == 400

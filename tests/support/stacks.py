@@ -1,0 +1,29 @@
+"""Starting Loopline stacks for end-to-end tests, with the models prepared once per run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loopline.common.stack import LocalStack
+
+REPO = Path(__file__).resolve().parents[2]
+# Prepared models live beside the checkout (git-ignored), so a CI machine converts SmolLM2 once.
+MODELS_DIR = REPO / ".loopline" / "models"
+
+# Short redelivery so a killed replica's work moves on within seconds, small body limit so the
+# 413 test need not send megabytes.
+TEST_ENV = {
+    "LOOPLINE_ACK_WAIT_S": "4",
+    "LOOPLINE_MAX_BODY_BYTES": str(1024 * 1024),
+    "LOOPLINE_LOG_LEVEL": "INFO",
+}
+
+
+def tiny_model() -> str:
+    from loopline.ml.models.resolve import resolve_model
+
+    return str(resolve_model("tiny", MODELS_DIR))
+
+
+def make_stack(state_dir: Path, model: str, *, replicas: int = 1, **env: str) -> LocalStack:
+    return LocalStack(state_dir, model, replicas=replicas, env={**TEST_ENV, **env}, models_dir=MODELS_DIR)
