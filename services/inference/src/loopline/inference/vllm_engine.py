@@ -10,8 +10,7 @@ from loopline.inference.engine import Delta, Engine, EngineInfo, GenerationReque
 
 log = logging.getLogger(__name__)
 
-# Settings measured to start fast and run best on small CPU machines (see docs/ENVIRONMENT notes);
-# a user's own environment wins.
+# Settings measured to start fast and run best on small CPU machines; a user's own environment wins.
 _CPU_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -31,9 +30,15 @@ class VllmEngine(Engine):
     async def start(self) -> None:
         import torch
 
+        dtype = self.dtype
         if not torch.cuda.is_available():
             for key, value in _CPU_DEFAULTS.items():
                 os.environ.setdefault(key, value)
+            # vllm-cpu in bf16 decodes SmolLM2 wrongly (greedy "capital of France" turns into French
+            # gibberish; transformers in bf16 and vLLM in fp32 both answer "Paris"), so on CPU
+            # "auto" means fp32. Small models are what CPUs serve; the cost is memory, not answers.
+            if dtype == "auto":
+                dtype = "float32"
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -41,7 +46,7 @@ class VllmEngine(Engine):
             model=self.model_path,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
-            dtype=self.dtype,
+            dtype=dtype,
             enable_prefix_caching=True,
             disable_log_stats=True,
         )
