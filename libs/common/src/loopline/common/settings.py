@@ -47,7 +47,7 @@ class GatewaySettings(CommonSettings):
     default_max_tokens: int = 16
     # What a 429 tells the client to wait before retrying.
     retry_after_s: int = 2
-    # Models that answer for "the default model" when a request names none.
+    # The model that serves requests which name none.
     model: str = DEFAULT_MODEL
 
 
@@ -55,7 +55,6 @@ class QueueSettings(CommonSettings):
     database_url: str | None = None
     # Admission control: pending + in-flight prompts per deployment above this answer 429.
     max_queue_depth: int = 4096
-    retry_after_s: int = 2
     state_interval_s: float = 0.2
     # How many ledger rows are written in one transaction.
     ledger_batch: int = 256

@@ -126,15 +126,16 @@ class Bridge:
         return BatchManifest.model_validate_json(entry.value) if entry.value else None
 
     async def submit(self, manifest: BatchManifest | None, items: list[WorkItem], deployment: str) -> None:
-        """Make the batch durable: manifest first, then every item, each awaited until acked."""
+        """Make the batch durable: every item, each awaited until acked, then the manifest — a batch
+        is "known" (and a resubmission skipped) only once all of its work is stored."""
         try:
-            if manifest is not None:
-                await self.batches_kv.put(manifest.group, manifest.model_dump_json().encode())
             await asyncio.gather(*(
                 bus.publish_durable(self.js, subjects.work(deployment), item.model_dump_json().encode(),
                                     msg_id=item.request_id, deadline_s=30)
                 for item in items
             ))
+            if manifest is not None:
+                await self.batches_kv.put(manifest.group, manifest.model_dump_json().encode())
         except bus.StreamFull as exc:
             raise ApiError(429, f"the work queue is full: {exc}; retry later",
                            headers={"Retry-After": str(self.settings_retry_after())}) from exc

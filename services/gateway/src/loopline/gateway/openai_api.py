@@ -65,8 +65,8 @@ async def _serve(request: Request, body: CommonParams, prompts: list[Prompt], *,
     events = _Events(bridge, group, len(prompts))
     await events.open(stream=body.stream)
     try:
-        ids = await submit_prompts(bridge, deployment, group, prompts, sampling, kind="openai",
-                                   stream=body.stream)
+        ids, _ = await submit_prompts(bridge, deployment, group, prompts, sampling, kind="openai",
+                                      stream=body.stream)
         if not body.stream:
             results = await events.all_results(ANSWER_TIMEOUT_S)
             return shape.response(results)

@@ -14,7 +14,14 @@ from fastapi import APIRouter, Request, UploadFile
 from pydantic import BaseModel, Field
 
 from loopline.common import subjects
-from loopline.common.schemas import ClearQueueReply, QueueMetrics, ResultItem, SamplingParams
+from loopline.common.schemas import (
+    BatchManifest,
+    ClearQueueReply,
+    QueueMetrics,
+    ResultItem,
+    SamplingParams,
+    WorkItem,
+)
 from loopline.gateway.bridge import Bridge
 from loopline.gateway.errors import ApiError
 from loopline.gateway.submit import Prompt, content_group, request_id, split_request_id, submit_prompts
@@ -98,9 +105,15 @@ async def generate(body: GenerateRequest, request: Request):
     sampling = SamplingParams(max_tokens=max_tokens, temperature=body.temperature)
     group = content_group({"prompts": body.prompts, "model": deployment.model,
                            "max_tokens": max_tokens, "temperature": body.temperature})
-    ids = await submit_prompts(bridge, deployment, group, prompts, sampling, kind="generate",
-                               skip_if_known=True)
-    return {"results": await collect(bridge, ids, settings.response_timeout_s, stored_first=True)}
+    # Listen before publishing, so a fast answer cannot slip past between the two.
+    waiter = await bridge.results(group)
+    try:
+        ids, known = await submit_prompts(bridge, deployment, group, prompts, sampling, kind="generate",
+                                          skip_if_known=True)
+        found = await waiter.wait(list(range(len(ids))), settings.response_timeout_s, stored_first=known)
+    finally:
+        await waiter.close()
+    return {"results": [result_entry(rid, found.get(i)) for i, rid in enumerate(ids)]}
 
 
 @router.post("/get_results")
@@ -138,8 +151,6 @@ async def upload(file: UploadFile, request: Request):
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ApiError(400, f"request {i}: max_tokens must be a positive integer")
         runs.setdefault((entry.get("model"), max_tokens), []).append((i, prompt))
-    from loopline.common.schemas import BatchManifest, WorkItem
-
     plans = []
     for (model, max_tokens), members in runs.items():
         deployment = await bridge.resolve(model)

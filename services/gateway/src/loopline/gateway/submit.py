@@ -55,12 +55,13 @@ def check_max_tokens(deployment: DeploymentInfo, max_tokens: int) -> None:
 
 async def submit_prompts(bridge: Bridge, deployment: DeploymentInfo, group: str, prompts: list[Prompt],
                          sampling: SamplingParams, *, kind: str, stream: bool = False,
-                         skip_if_known: bool = False) -> list[str]:
-    """Publish one work item per prompt; returns their request ids in prompt order."""
+                         skip_if_known: bool = False) -> tuple[list[str], bool]:
+    """Publish one work item per prompt. Returns their request ids in prompt order, and whether
+    the batch had been accepted before (then nothing is published: its work is queued or done)."""
     check_max_tokens(deployment, sampling.max_tokens)
     ids = [request_id(group, i) for i in range(len(prompts))]
     if skip_if_known and await bridge.manifest(group) is not None:
-        return ids  # accepted before: its work is queued or its results are stored
+        return ids, True
     bridge.admit(deployment.deployment, len(prompts))
     items = [
         WorkItem(request_id=rid, group=group, index=i, model=deployment.model, prompt=p.text,
@@ -72,4 +73,4 @@ async def submit_prompts(bridge: Bridge, deployment: DeploymentInfo, group: str,
     manifest = None if kind == "openai" else BatchManifest(
         group=group, total=len(prompts), model=deployment.model, kind=kind)
     await bridge.submit(manifest, items, deployment.deployment)
-    return ids
+    return ids, False

@@ -1,0 +1,37 @@
+"""Trace context crosses NATS: a span started by the publisher parents the consumer's span."""
+
+from __future__ import annotations
+
+import asyncio
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from loopline.common import bus, telemetry
+
+
+async def test_trace_context_travels_in_nats_headers(nats_url):
+    exporter = InMemorySpanExporter()
+    telemetry.setup_tracing("test", exporter=exporter)
+    provider = trace.get_tracer_provider()
+    tracer = telemetry.tracer("test")
+    nc = await bus.connect(nats_url, "telemetry-test")
+    js = nc.jetstream()
+    await bus.ensure_topology(js)
+    received: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def on_msg(msg):
+        received.set_result(msg.headers)
+
+    await nc.subscribe("results.trace.0", cb=on_msg)
+    with tracer.start_as_current_span("publisher") as parent:
+        await bus.publish_durable(js, "results.trace.0", b"{}", msg_id="trace-test")
+    headers = await asyncio.wait_for(received, 5)
+    assert headers["Nats-Msg-Id"] == "trace-test" and "traceparent" in headers
+    with tracer.start_as_current_span("consumer", context=telemetry.context_from_headers(headers)) as child:
+        pass
+    provider.force_flush()
+    await nc.close()
+    assert child.get_span_context().trace_id == parent.get_span_context().trace_id
+    assert child.parent.span_id == parent.get_span_context().span_id
+    assert {s.name for s in exporter.get_finished_spans()} == {"publisher", "consumer"}

@@ -1,0 +1,61 @@
+"""``make up``'s entry point starts every service as its own process, and Ctrl-C stops them all."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from loopline.common.launcher import free_port
+from support.stacks import MODELS_DIR, tiny_model
+
+
+def processes_with_state_dir(state_dir: Path) -> set[int]:
+    found = set()
+    marker = f"LOOPLINE_STATE_DIR={state_dir}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                if (entry / "stat").read_text().split()[2] != "Z":  # zombies are gone already
+                    found.add(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_up_starts_everything_and_ctrl_c_leaves_nothing_behind(tmp_path):
+    state = tmp_path / "state"
+    port = free_port()
+    env = {**os.environ, "LOOPLINE_MODEL": tiny_model(), "LOOPLINE_STATE_DIR": str(state),
+           "LOOPLINE_MODELS_DIR": str(MODELS_DIR), "LOOPLINE_PORT": str(port),
+           "LOOPLINE_NATS_PORT": str(free_port()), "LOOPLINE_NATS_MONITOR_PORT": str(free_port()),
+           "LOOPLINE_ENGINE": "reference"}
+    up = subprocess.Popen([sys.executable, "-m", "loopline.common.up"], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 300
+        while not any("Loopline is up" in line for line in lines):
+            assert time.monotonic() < deadline and up.poll() is None, "".join(lines)
+            lines.append(up.stdout.readline())
+        assert f"http://127.0.0.1:{port}" in lines[-1]
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == [env["LOOPLINE_MODEL"]]
+        # nats-server, queue, inference and gateway, each its own process.
+        assert len(processes_with_state_dir(state.resolve()) - {up.pid}) >= 4
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+    deadline = time.monotonic() + 10
+    while processes_with_state_dir(state.resolve()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_with_state_dir(state.resolve())
