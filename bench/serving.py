@@ -95,6 +95,10 @@ class CpuMeter:
     def __init__(self, roles: dict[str, tuple[int, bool]]):
         # role -> (pid, count its descendants too)
         self.roles = roles
+        try:
+            import psutil  # noqa: F401 - comes with vLLM; without it the CPU table is left out
+        except ImportError:
+            self.roles = {}
         self.marks: dict[str, tuple[float, dict[str, float], float]] = {}
         self.passes: dict[str, dict] = {}
 
@@ -125,13 +129,13 @@ class CpuMeter:
 
     def start(self, name: str) -> None:
         self.marks[name] = (time.perf_counter(), {r: self._cpu(pid, rec) for r, (pid, rec) in self.roles.items()},
-                            self._machine_busy())
+                            self._machine_busy() if self.roles else 0.0)
 
     def stop(self, name: str) -> None:
         wall0, cpu0, busy0 = self.marks.pop(name)
         wall = time.perf_counter() - wall0
         cpu = {r: self._cpu(pid, rec) - cpu0[r] for r, (pid, rec) in self.roles.items()}
-        busy = self._machine_busy() - busy0
+        busy = self._machine_busy() - busy0 if self.roles else 0.0
         self.passes[name] = {"wall_s": wall, "cpu_s": cpu, "other_cpu_s": max(busy - sum(cpu.values()), 0.0),
                              "machine_cpu_s": busy}
 
@@ -233,7 +237,10 @@ async def bench_engine(model_path: str, model_name: str, prompts: list[str], war
 
 def _child_pid(pid: int) -> int:
     """The engine core process an AsyncLLM in ``pid`` started (it renames itself), or -1."""
-    import psutil
+    try:
+        import psutil
+    except ImportError:
+        return -1
 
     try:
         kids = psutil.Process(pid).children()
@@ -440,6 +447,9 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
         hop_stats[name] = summary([(getattr(h, y) - getattr(h, x)) * ms for h in hops])
     # What the replica spent against what the engine alone spent on the same prompt.
     replica_extra = [(h.finished - h.started) * ms - a.latency_s[h.index] * ms for h in hops]
+    # The platform's own cost, from (b) alone: the client's wait minus the replica's tokenize+generate
+    # window. Unlike b - a it does not compare two moments of a machine others may be using.
+    outside = [(h.received - h.sent - (h.finished - h.started)) * ms for h in hops]
 
     n = len(a.latency_s)
     print()
@@ -475,6 +485,9 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
     print(f"  added latency p99 = {percentile(added, 99):.2f} ms")
     print(f"  TTFT p50 a = {percentile(a.ttft_s, 50) * ms:.2f} ms, b = {percentile(b.ttft_s, 50) * ms:.2f} ms, "
           f"added = {percentile(added_ttft, 50):.2f} ms")
+    if outside:
+        print(f"  (b) time outside the replica's generate window: p50 {percentile(outside, 50):.2f} ms, "
+              f"p99 {percentile(outside, 99):.2f} ms  (the added latency without run-to-run noise)")
     if hops:
         print()
         print(f"  where a (b) request's time goes, sequential pass ({len(hops)} requests), ms:")
@@ -491,9 +504,11 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
         t0 = min(h["sent"] for h in bh)
         last = lambda key: (max(h[key] for h in bh) - t0) * ms  # noqa: E731
         print()
-        print(f"  throughput pass of (b), ms after the first POST was sent: last WorkItem built "
-              f"{last('submitted'):.0f}, last one started by the replica {last('started'):.0f}, "
-              f"last result built {last('finished'):.0f}, last response received {last('received'):.0f}")
+        first = lambda key: (min(h[key] for h in bh) - t0) * ms  # noqa: E731
+        print(f"  throughput pass of (b), ms after the first POST was sent: last POST sent {last('sent'):.0f}, "
+              f"WorkItems built {first('submitted'):.0f}..{last('submitted'):.0f}, started by the replica "
+              f"{first('started'):.0f}..{last('started'):.0f}, results built {first('finished'):.0f}.."
+              f"{last('finished'):.0f}, last response received {last('received'):.0f}")
         print(f"  (a) did the whole pass in {a.throughput_wall_s * ms:.0f} ms")
 
     for label, res in (("(a) engine", a), ("(b) platform", b)):
@@ -511,6 +526,11 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
     busy = {f"{label} {p}": res.cpu[p]["other_cpu_s"] / (res.cpu[p]["wall_s"] * (os.cpu_count() or 1))
             for label, res in (("a", a), ("b", b)) for p in res.cpu}
     noisy = {k: v for k, v in busy.items() if v > NOISY_SHARE}
+    if not os.environ.get("OMP_NUM_THREADS") and (os.cpu_count() or 1) <= 4:
+        print()
+        print("  note: OMP_NUM_THREADS is unset, so vLLM's compiled CPU kernels run one spinning OpenMP\n"
+              "  thread per CPU; on a small machine shared with the platform's other processes that turns\n"
+              "  any contention into stalls of seconds. Compare a run with OMP_NUM_THREADS=1.")
     if noisy:
         print()
         print("  WARNING: other processes used a large share of the CPUs during "
@@ -544,6 +564,7 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
         "other_cpu_share": busy,
         "noisy": bool(noisy),
         "replica_generate_minus_engine_ms": summary(replica_extra),
+        "outside_replica_generate_ms": summary(outside),
         "raw": {
             "a": {k: v for k, v in asdict(a).items() if k != "texts"},
             "b": {k: v for k, v in asdict(b).items() if k != "texts"},

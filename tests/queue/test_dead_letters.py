@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -119,3 +120,30 @@ async def test_exhausted_deliveries_fail_the_request(nc, js, start_queue, eventu
     assert (await failure()).error is not None
     with pytest.raises(NotFoundError):
         await js.get_msg(subjects.WORK_STREAM, seq)
+
+
+async def test_dead_letter_announced_while_the_queue_is_down_is_handled_later(js, start_queue, eventually):
+    await bus.ensure_topology(js)
+    await bus.ensure_work_consumer(js, "down", ack_wait_s=1, max_deliver=1)
+    item = WorkItem(request_id="dd_0", group="dd", index=0, model="m", prompt="hi",
+                    sampling=SamplingParams(max_tokens=2))
+    await bus.publish_durable(js, subjects.work("down"), item.model_dump_json().encode(), msg_id="dd_0")
+    replica = await js.pull_subscribe_bind(subjects.inference_durable("down"), subjects.WORK_STREAM)
+    await replica.fetch(1, timeout=2)  # taken and never answered
+
+    async def advisory_stored() -> bool:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await replica.fetch(1, timeout=0.3)  # pulling is what makes JetStream notice
+        return (await js.stream_info(subjects.ADVISORIES_STREAM)).state.messages == 1
+
+    await eventually(advisory_stored, timeout_s=10)
+    await start_queue()
+
+    async def failed() -> bool:
+        try:
+            raw = await js.get_last_msg(subjects.RESULTS_STREAM, subjects.result("dd", 0))
+        except NotFoundError:
+            return False
+        return ResultItem.model_validate_json(raw.data).error.status == 503
+
+    await eventually(failed, timeout_s=10)

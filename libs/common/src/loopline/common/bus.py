@@ -112,6 +112,20 @@ async def ensure_topology(js: JetStreamContext, *, max_work_msgs: int = 1_000_00
             max_age=7 * 24 * 3600,
         ),
     )
+    # Advisories are core messages; captured in a stream, a dead letter announced while no queue
+    # replica runs is handled when one starts.
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.ADVISORIES_STREAM,
+            subjects=[subjects.max_deliveries_advisory()],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            max_age=WORK_MAX_AGE_S,
+        ),
+    )
+    await _ensure_consumer(js, subjects.ADVISORIES_STREAM, subjects.DEAD_LETTERS_DURABLE,
+                           subjects.max_deliveries_advisory())
     # The ledger's consumers exist from the start: WORK keeps a message only while some consumer
     # is interested, so the ledger must be interested before the first request is published.
     await _ensure_consumer(js, subjects.WORK_STREAM, subjects.LEDGER_WORK_DURABLE, subjects.WORK_ALL)

@@ -13,6 +13,8 @@ import re
 WORK_STREAM = "WORK"
 RESULTS_STREAM = "RESULTS"
 EVENTS_STREAM = "EVENTS"
+# JetStream advisories we must not miss while the queue service is down (dead letters).
+ADVISORIES_STREAM = "ADVISORIES"
 
 # --- key-value buckets ---------------------------------------------------------------------------
 # deployment key -> DeploymentInfo (written by inference replicas, watched by the gateway)
@@ -23,6 +25,7 @@ BATCHES_BUCKET = "BATCHES"
 # --- durable consumers ---------------------------------------------------------------------------
 LEDGER_WORK_DURABLE = "ledger-work"
 LEDGER_RESULTS_DURABLE = "ledger-results"
+DEAD_LETTERS_DURABLE = "dead-letters"
 
 
 def inference_durable(deployment: str) -> str:

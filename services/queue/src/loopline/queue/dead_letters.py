@@ -1,6 +1,7 @@
 """Dead letters: a work item that no replica completed within its consumer's ``max_deliver``.
 
-JetStream stops delivering such a message and announces it with an advisory, but keeps it in
+JetStream stops delivering such a message and announces it with an advisory (which the
+ADVISORIES stream keeps for us), but keeps the message in
 WORK. We answer the client with a 503 result (otherwise it would poll forever), record the dead
 letter, and delete the message so it is not retained until max-age.
 """
@@ -49,21 +50,31 @@ class DeadLetters:
         self._engine = engine
 
     async def run(self, stopping: asyncio.Event) -> None:
-        # Advisories are core NATS messages: the queue group hands each to one queue replica.
-        sub = await self._nc.subscribe(subjects.max_deliveries_advisory(), queue=subjects.QUEUE_SERVICE)
-        # Invariant: an advisory is handled to the end (result published, dead letter recorded,
-        # message deleted) before the next is read, and each step is idempotent, so an advisory
-        # seen twice, or handled again after a crash half-way, changes nothing.
+        # The ADVISORIES stream keeps every max-deliveries advisory until a queue replica acks it,
+        # so none is lost while the queue service is down; replicas share the durable consumer.
+        psub = await self._js.pull_subscribe_bind(subjects.DEAD_LETTERS_DURABLE,
+                                                  stream=subjects.ADVISORIES_STREAM)
+        # Invariant: an advisory is acked only after it is handled to the end (result published,
+        # dead letter recorded, message deleted); each step is idempotent, so an advisory
+        # redelivered after a crash half-way changes nothing.
         while not stopping.is_set():
             try:
-                msg = await sub.next_msg(timeout=0.5)
+                msgs = await psub.fetch(16, timeout=0.5)
             except asyncio.TimeoutError:  # nats.errors.TimeoutError subclasses it
                 continue
-            try:
-                await self.handle(MaxDeliveriesAdvisory.from_json(msg.data))
-            except Exception:  # noqa: BLE001 - one bad advisory must not stop the others
-                log.exception("handling max-deliveries advisory %r failed", msg.data[:200])
-        await sub.unsubscribe()
+            except Exception as exc:  # noqa: BLE001 - NATS restarting
+                log.warning("dead letters: fetch failed: %s", exc)
+                await asyncio.sleep(0.25)
+                continue
+            for msg in msgs:
+                try:
+                    await self.handle(MaxDeliveriesAdvisory.from_json(msg.data))
+                except Exception:  # noqa: BLE001 - one bad advisory must not stop the others
+                    log.exception("handling max-deliveries advisory %r failed", msg.data[:200])
+                    await msg.nak(delay=1.0)
+                    continue
+                await msg.ack()
+        await psub.unsubscribe()
 
     async def handle(self, advisory: MaxDeliveriesAdvisory) -> None:
         if advisory.stream != subjects.WORK_STREAM:
