@@ -35,6 +35,10 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+# The OpenMP default the inference service applies (loopline/inference/__main__.py), set before torch
+# is imported, so both paths run the engine alike.
+os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) - 2)))
+
 # Targets of the platform against the in-process engine.
 TARGET_THROUGHPUT_RATIO = 0.95
 TARGET_ADDED_P50_MS = 5.0
@@ -128,8 +132,8 @@ class CpuMeter:
         return sum(v for k, v in t._asdict().items() if k not in ("idle", "iowait", "guest", "guest_nice"))
 
     def start(self, name: str) -> None:
-        self.marks[name] = (time.perf_counter(), {r: self._cpu(pid, rec) for r, (pid, rec) in self.roles.items()},
-                            self._machine_busy() if self.roles else 0.0)
+        cpu = {r: self._cpu(pid, rec) for r, (pid, rec) in self.roles.items()}
+        self.marks[name] = (time.perf_counter(), cpu, self._machine_busy() if self.roles else 0.0)
 
     def stop(self, name: str) -> None:
         wall0, cpu0, busy0 = self.marks.pop(name)
@@ -203,7 +207,8 @@ async def bench_engine(model_path: str, model_name: str, prompts: list[str], war
         for text in warmup[:WARMUP_SEQUENTIAL]:
             await one(text)
         await asyncio.gather(*(one(t) for t in warmup))
-        meter.roles["engine core"] = (_child_pid(os.getpid()), True)
+        if meter.roles:
+            meter.roles["engine core"] = (_child_pid(os.getpid()), True)
 
         meter.start("throughput")
         start = time.perf_counter()
@@ -367,7 +372,8 @@ async def bench_platform(stack_url: str, nats_url: str, model_name: str, prompts
             r.raise_for_status()
             data = r.json()
             group = data["id"].removeprefix("cmpl-")
-            return total, data["usage"]["completion_tokens"], data["choices"][0]["text"], group, sent, received
+            text_out = data["choices"][0]["text"]
+            return total, data["usage"]["completion_tokens"], text_out, group, sent, received
 
         async def one_stream(text: str) -> tuple[float, float, int]:
             start = time.perf_counter()
@@ -483,8 +489,8 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
     print(f"  added latency p50 = {added_p50:.2f} ms  (target <= {TARGET_ADDED_P50_MS} ms)  "
           f"{verdict(added_p50 <= TARGET_ADDED_P50_MS)}")
     print(f"  added latency p99 = {percentile(added, 99):.2f} ms")
-    print(f"  TTFT p50 a = {percentile(a.ttft_s, 50) * ms:.2f} ms, b = {percentile(b.ttft_s, 50) * ms:.2f} ms, "
-          f"added = {percentile(added_ttft, 50):.2f} ms")
+    print(f"  TTFT p50 a = {percentile(a.ttft_s, 50) * ms:.2f} ms, "
+          f"b = {percentile(b.ttft_s, 50) * ms:.2f} ms, added = {percentile(added_ttft, 50):.2f} ms")
     if outside:
         print(f"  (b) time outside the replica's generate window: p50 {percentile(outside, 50):.2f} ms, "
               f"p99 {percentile(outside, 99):.2f} ms  (the added latency without run-to-run noise)")
@@ -505,32 +511,30 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
         last = lambda key: (max(h[key] for h in bh) - t0) * ms  # noqa: E731
         print()
         first = lambda key: (min(h[key] for h in bh) - t0) * ms  # noqa: E731
-        print(f"  throughput pass of (b), ms after the first POST was sent: last POST sent {last('sent'):.0f}, "
-              f"WorkItems built {first('submitted'):.0f}..{last('submitted'):.0f}, started by the replica "
-              f"{first('started'):.0f}..{last('started'):.0f}, results built {first('finished'):.0f}.."
-              f"{last('finished'):.0f}, last response received {last('received'):.0f}")
+        span = lambda key: f"{first(key):.0f}..{last(key):.0f}"  # noqa: E731
+        print("  throughput pass of (b), ms after the first POST was sent: "
+              f"last POST sent {last('sent'):.0f}, "
+              f"WorkItems built {span('submitted')}, started by the replica {span('started')}, "
+              f"results built {span('finished')}, last response received {last('received'):.0f}")
         print(f"  (a) did the whole pass in {a.throughput_wall_s * ms:.0f} ms")
 
     for label, res in (("(a) engine", a), ("(b) platform", b)):
         if not res.cpu:
             continue
         print()
-        print(f"  CPU seconds by process, {label} (machine has {os.cpu_count()} CPUs; 'other' = everyone else):")
+        print(f"  CPU seconds by process, {label} "
+              f"(machine has {os.cpu_count()} CPUs; 'other' = everyone else):")
         passes = list(res.cpu)
         crow = "    {:<28}" + "{:>12}" * len(passes)
         print(crow.format("pass", *passes))
         print(crow.format("wall", *(f"{res.cpu[p]['wall_s']:.2f}" for p in passes)))
         for role in res.cpu[passes[0]]["cpu_s"]:
             print(crow.format(role, *(f"{res.cpu[p]['cpu_s'][role]:.2f}" for p in passes)))
-        print(crow.format("other (not this benchmark)", *(f"{res.cpu[p]['other_cpu_s']:.2f}" for p in passes)))
+        print(crow.format("other (not this benchmark)",
+                          *(f"{res.cpu[p]['other_cpu_s']:.2f}" for p in passes)))
     busy = {f"{label} {p}": res.cpu[p]["other_cpu_s"] / (res.cpu[p]["wall_s"] * (os.cpu_count() or 1))
             for label, res in (("a", a), ("b", b)) for p in res.cpu}
     noisy = {k: v for k, v in busy.items() if v > NOISY_SHARE}
-    if not os.environ.get("OMP_NUM_THREADS") and (os.cpu_count() or 1) <= 4:
-        print()
-        print("  note: OMP_NUM_THREADS is unset, so vLLM's compiled CPU kernels run one spinning OpenMP\n"
-              "  thread per CPU; on a small machine shared with the platform's other processes that turns\n"
-              "  any contention into stalls of seconds. Compare a run with OMP_NUM_THREADS=1.")
     if noisy:
         print()
         print("  WARNING: other processes used a large share of the CPUs during "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from opentelemetry import trace
 
 from loopline.common.settings import GatewaySettings
@@ -14,6 +14,20 @@ from loopline.gateway.body_limit import BodyLimit
 from loopline.gateway.bridge import Bridge
 
 _tracer = tracer("loopline.gateway")
+
+
+class TraceRequests:
+    """One span per HTTP request; what the handlers publish carries it in NATS headers. Plain ASGI:
+    Starlette's ``@app.middleware("http")`` wrapper cost a fifth of the gateway's CPU per request."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        with _tracer.start_as_current_span(f"{scope['method']} {scope['path']}", kind=trace.SpanKind.SERVER):
+            await self.app(scope, receive, send)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -30,16 +44,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.bridge = bridge
     errors.install(app)
 
-    @app.middleware("http")
-    async def trace_requests(request: Request, call_next):
-        # One span per HTTP request; what the handlers publish carries it in NATS headers.
-        with _tracer.start_as_current_span(f"{request.method} {request.url.path}",
-                                           kind=trace.SpanKind.SERVER):
-            return await call_next(request)
-
     app.include_router(openai_api.router)
     app.include_router(scalarlm_api.router)
     app.include_router(health_api.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                        max_upload_bytes=settings.max_upload_bytes)
+    app.add_middleware(TraceRequests)
     return app

@@ -13,7 +13,6 @@ log = logging.getLogger(__name__)
 # Settings measured to start fast and run best on small CPU machines; a user's own environment wins.
 _CPU_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"),
 }

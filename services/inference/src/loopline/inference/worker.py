@@ -52,31 +52,35 @@ class Worker:
                 self.capacity_freed.clear()
                 await self.capacity_freed.wait()
                 continue
-            msgs = await self._pull(psub, free)
-            for msg in msgs:
-                self._start(msg)
+            await self._pull(psub, free)
         keepalive.cancel()
 
-    async def _pull(self, psub, free: int) -> list[Msg]:
-        """Wait for one message, then take whatever else is already waiting, up to ``free``.
+    async def _pull(self, psub, free: int) -> None:
+        """Wait for one message and start it at once, then start whatever else is already
+        waiting, up to ``free``.
 
-        Asking for ``free`` at once would make the client hold the first message until the batch
-        fills or the pull expires; this way a lone request starts the moment it arrives.
+        Asking for ``free`` in one fetch would make the client hold the first message until the
+        batch fills or the pull expires; this way a lone request starts the moment it arrives, and
+        a burst still enters the engine together.
         """
         try:
-            msgs = await psub.fetch(1, timeout=2.0)
-        except (NatsTimeoutError, asyncio.TimeoutError):
-            return []
+            first = await psub.fetch(1, timeout=2.0)
+        except asyncio.TimeoutError:  # nats' TimeoutError subclasses it
+            return
         except Exception as exc:  # noqa: BLE001 - NATS restarting: wait, reconnect, go on
             log.warning("pull failed (%s); retrying", exc)
             await asyncio.sleep(0.25)
-            return []
+            return
+        for msg in first:
+            self._start(msg)
         if free > 1:
             try:
-                msgs += await psub.fetch(free - 1, timeout=0.005)
+                # nats-py turns this into a pull that waits out its (tiny) expiry when nothing is
+                # queued; messages that arrive late stay buffered for the next fetch.
+                for msg in await psub.fetch(free - 1, timeout=0.002):
+                    self._start(msg)
             except Exception:  # noqa: BLE001 - nothing else waiting
                 pass
-        return msgs
 
     def _start(self, msg: Msg) -> None:
         key = f"{msg.metadata.sequence.stream}"
