@@ -77,7 +77,6 @@ CHECKPOINT_WATCHER_SERVICE = "loopline-checkpoint-watcher"
 
 SVC_QUEUE_METRICS = "svc.queue.metrics"
 SVC_QUEUE_CLEAR = "svc.queue.clear"
-SVC_QUEUE_REQUEST = "svc.queue.request"
 SVC_QUEUE_STATUS = "svc.queue.status"
 SVC_INFERENCE_STATUS = "svc.inference.status"
 

@@ -145,10 +145,7 @@ class Worker:
         )
 
     def _error(self, item: WorkItem, status: int, message: str, kind: str = "invalid_request_error"):
-        return ResultItem(
-            request_id=item.request_id, group=item.group, index=item.index, model=item.model,
-            error=ErrorInfo(status=status, message=message, type=kind), replica=self.replica,
-        )
+        return ResultItem.failure(item, ErrorInfo(status=status, message=message, type=kind), self.replica)
 
     async def _keep_inflight_alive(self) -> None:
         """Tell JetStream that long generations are still being worked on, so it does not

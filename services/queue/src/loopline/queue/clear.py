@@ -23,14 +23,8 @@ CONCURRENCY = 128
 
 
 def cancelled_result(item: WorkItem) -> ResultItem:
-    return ResultItem(
-        request_id=item.request_id,
-        group=item.group,
-        index=item.index,
-        model=item.model,
-        error=ErrorInfo(
-            status=410, message="request cleared from the queue by clear_queue", type="cancelled"
-        ),
+    return ResultItem.failure(
+        item, ErrorInfo(status=410, message="request cleared from the queue by clear_queue", type="cancelled")
     )
 
 

@@ -27,12 +27,9 @@ log = logging.getLogger(__name__)
 
 
 def failure_result(item: WorkItem, deliveries: int) -> ResultItem:
-    return ResultItem(
-        request_id=item.request_id,
-        group=item.group,
-        index=item.index,
-        model=item.model,
-        error=ErrorInfo(
+    return ResultItem.failure(
+        item,
+        ErrorInfo(
             status=503,
             message=(
                 f"request {item.request_id} failed: no inference replica completed it after "
