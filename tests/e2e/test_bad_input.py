@@ -87,3 +87,9 @@ def test_unknown_results_are_404(http):
 def test_upload_that_is_not_json(http):
     resp = http.post("/v1/generate/upload", files={"file": ("requests.json", b"not json")})
     assert resp.status_code == 400
+
+
+def test_upload_with_max_tokens_beyond_the_context(http):
+    body = b'[{"prompt": "x", "model": null, "max_tokens": 1000000, "request_type": "generate"}]'
+    resp = http.post("/v1/generate/upload", files={"file": ("requests.json", body)})
+    assert resp.status_code == 400 and "context length" in resp.json()["detail"]

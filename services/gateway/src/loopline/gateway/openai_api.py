@@ -15,7 +15,7 @@ from loopline.common.schemas import ResultItem, SamplingParams, TokenDelta
 from loopline.gateway.bridge import Bridge
 from loopline.gateway.errors import ApiError
 from loopline.gateway.openai_models import ChatCompletionRequest, CommonParams, CompletionRequest
-from loopline.gateway.submit import Prompt, fresh_group, submit_prompts
+from loopline.gateway.submit import Prompt, fresh_group, request_id, submit_prompts
 
 router = APIRouter(prefix="/v1")
 
@@ -106,8 +106,6 @@ class _Events:
 
         self.subs.append(await nc.subscribe(subjects.results_of_group(self.group), cb=on_result))
         if stream:
-            from loopline.gateway.submit import request_id
-
             for i in range(self.count):
                 self.subs.append(await nc.subscribe(subjects.token_stream(request_id(self.group, i)),
                                                     cb=on_delta))

@@ -24,7 +24,14 @@ from loopline.common.schemas import (
 )
 from loopline.gateway.bridge import Bridge
 from loopline.gateway.errors import ApiError
-from loopline.gateway.submit import Prompt, content_group, request_id, split_request_id, submit_prompts
+from loopline.gateway.submit import (
+    Prompt,
+    check_max_tokens,
+    content_group,
+    request_id,
+    split_request_id,
+    submit_prompts,
+)
 
 router = APIRouter(prefix="/v1/generate")
 
@@ -154,6 +161,7 @@ async def upload(file: UploadFile, request: Request):
     plans = []
     for (model, max_tokens), members in runs.items():
         deployment = await bridge.resolve(model)
+        check_max_tokens(deployment, max_tokens)
         plans.append((deployment, max_tokens, members))
     for deployment, max_tokens, members in plans:
         bridge.admit(deployment.deployment, len(members))
