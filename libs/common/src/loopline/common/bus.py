@@ -22,6 +22,7 @@ from nats.js.api import (
     DeliverPolicy,
     DiscardPolicy,
     KeyValueConfig,
+    ObjectStoreConfig,
     PubAck,
     RetentionPolicy,
     StorageType,
@@ -138,6 +139,23 @@ async def ensure_topology(js: JetStreamContext, *, max_work_msgs: int = 1_000_00
             await js.create_key_value(
                 KeyValueConfig(bucket=bucket, history=1, ttl=ttl, storage=StorageType.FILE)
             )
+    # Latest checkpoint of each job; a replica that starts later reads the last one per subject.
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.CHECKPOINTS_STREAM,
+            subjects=["checkpoints.>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_msgs_per_subject=1,
+            duplicate_window=DEDUPE_WINDOW_S,
+        ),
+    )
+    for bucket in (subjects.DATASETS_BUCKET, subjects.ADAPTERS_BUCKET):
+        try:
+            await js.object_store(bucket)
+        except Exception:  # noqa: BLE001 - nats-py raises several kinds for "no such bucket"
+            await js.create_object_store(bucket, ObjectStoreConfig(storage=StorageType.FILE))
 
 
 async def _ensure_consumer(js: JetStreamContext, stream: str, durable: str, subject: str, **kw) -> None:

@@ -16,6 +16,15 @@ EVENTS_STREAM = "EVENTS"
 # JetStream advisories we must not miss while the queue service is down (dead letters).
 ADVISORIES_STREAM = "ADVISORIES"
 
+# Latest checkpoint per job (issue 4): deliver-last-per-subject lets a new replica catch up.
+CHECKPOINTS_STREAM = "CHECKPOINTS"
+
+# --- object stores -------------------------------------------------------------------------------
+# Uploaded training data (and a job's own ml/ code), named by the sha256 of the *uncompressed* bytes.
+DATASETS_BUCKET = "datasets"
+# Adapter checkpoints, named by content hash (checkpoint-watcher writes, inference reads).
+ADAPTERS_BUCKET = "adapters"
+
 # --- key-value buckets ---------------------------------------------------------------------------
 # deployment key -> DeploymentInfo (written by inference replicas, watched by the gateway)
 MODELS_BUCKET = "MODELS"
@@ -63,6 +72,18 @@ QUEUE_STATE = "queue.state"
 
 # --- events --------------------------------------------------------------------------------------
 EVENTS_ALL = "events.>"
+JOB_EVENTS_ALL = "events.jobs.>"
+JOB_EVENT_KINDS = ("queued", "started", "progress", "checkpoint", "completed", "failed", "cancelled")
+
+
+def job_event(job_hash: str, kind: str) -> str:
+    """``events.jobs.<hash>.<kind>``: what a user following a training job subscribes to."""
+    return f"events.jobs.{job_hash}.{kind}"
+
+
+def job_events(job_hash: str) -> str:
+    return f"events.jobs.{job_hash}.*"
+
 
 # --- JetStream advisories ------------------------------------------------------------------------
 def max_deliveries_advisory(stream: str = WORK_STREAM, consumer: str = "*") -> str:
@@ -79,6 +100,18 @@ SVC_QUEUE_METRICS = "svc.queue.metrics"
 SVC_QUEUE_CLEAR = "svc.queue.clear"
 SVC_QUEUE_STATUS = "svc.queue.status"
 SVC_INFERENCE_STATUS = "svc.inference.status"
+# The trainer's request-reply API (wire types in job_schemas.py). Errors come back through
+# nats.micro's error headers with an HTTP status as the code ("404", "409", "403", "422").
+SVC_TRAINER_SUBMIT = "svc.trainer.submit"      # JobSubmit -> JobInfo
+SVC_TRAINER_GET = "svc.trainer.get"            # JobRef -> JobInfo
+SVC_TRAINER_LIST = "svc.trainer.list"          # {} -> JobList
+SVC_TRAINER_CANCEL = "svc.trainer.cancel"      # JobRef -> JobInfo
+SVC_TRAINER_DELETE = "svc.trainer.delete"      # JobRef -> JobInfo
+SVC_TRAINER_RESTART = "svc.trainer.restart"    # JobRef -> JobInfo (409 unless FAILED/CANCELLED)
+SVC_TRAINER_LOGS = "svc.trainer.logs"          # LogsRequest -> LogLines
+SVC_TRAINER_SQUEUE = "svc.trainer.squeue"      # {} -> SqueueReply
+SVC_TRAINER_CLUSTER = "svc.trainer.cluster"    # {} -> ClusterInfo
+SVC_TRAINER_STATUS = "svc.trainer.status"      # {} -> ServiceStatus
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 

@@ -1,0 +1,127 @@
+"""Wire schemas of training jobs: gateway <-> trainer requests, and the job events users follow.
+
+A job is named by its hash (``jobs.job_hash``): the canonical params plus the sha256 of the
+uncompressed dataset (and of the job's own ``ml/`` code when it ships one). The trainer keeps the
+registry; these types are only what crosses NATS.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class JobStatus(str, Enum):
+    QUEUED = "QUEUED"
+    TRAINING = "TRAINING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def finished(self) -> bool:
+        return self in (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+class JobSubmit(BaseModel):
+    """Gateway -> trainer: the dataset (and code) are already in the ``datasets`` object store."""
+
+    job_hash: str
+    # The user's train_args as sent, with ``llm_name`` filled in with the served model when absent.
+    params: dict[str, Any]
+    dataset_sha256: str  # object name in the datasets bucket; dataset.jsonlines, uncompressed
+    dataset_bytes: int
+    examples: int
+    code_sha256: str | None = None  # object name of a deterministic tar of the job's own ml/
+
+
+class JobRef(BaseModel):
+    """A job named by its hash, a unique prefix of it, or ``latest``."""
+
+    job: str
+
+
+class HistoryPoint(BaseModel):
+    step: int
+    loss: float
+    epoch: float = 0.0
+    time: float = 0.0  # seconds of training so far
+
+
+class CheckpointInfo(BaseModel):
+    step: int
+    path: str  # the checkpoint directory inside the job directory
+    created_at: float
+
+
+class JobInfo(BaseModel):
+    job_hash: str
+    status: JobStatus
+    params: dict[str, Any]
+    llm_name: str
+    adapter_type: str
+    job_directory: str
+    slurm_job_id: str | None = None
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    step: int = 0
+    max_steps: int = 0
+    history: list[HistoryPoint] = Field(default_factory=list)
+    checkpoints: list[CheckpointInfo] = Field(default_factory=list)
+    error: str | None = None
+    # Filled in by the gateway from the served models (issue 4), not by the trainer.
+    deployed: bool = False
+
+
+class JobList(BaseModel):
+    jobs: list[JobInfo]  # newest first
+
+
+class JobEvent(BaseModel):
+    """One message on ``events.jobs.<hash>.<kind>``; fields beyond kind depend on the kind."""
+
+    job_hash: str
+    kind: str  # one of subjects.JOB_EVENT_KINDS
+    seq: int  # per job, increasing; also the dedupe key (Nats-Msg-Id = f"{job_hash}:{seq}")
+    time: float = Field(default_factory=time.time)
+    status: JobStatus | None = None
+    step: int | None = None
+    max_steps: int | None = None
+    loss: float | None = None
+    learning_rate: float | None = None
+    tokens_per_s: float | None = None
+    epoch: float | None = None
+    checkpoint: CheckpointInfo | None = None
+    error: str | None = None
+
+
+class LogsRequest(BaseModel):
+    job: str
+    starting_line_number: int = 0
+    limit: int = 1000
+
+
+class LogLine(BaseModel):
+    line: str
+    line_number: int
+
+
+class LogLines(BaseModel):
+    job_hash: str
+    lines: list[LogLine]
+    finished: bool  # the job is over: no more lines will come
+
+
+class SqueueReply(BaseModel):
+    squeue_output: str
+    error_message: str | None = None
+
+
+class ClusterInfo(BaseModel):
+    gpu_count: int
+    node_count: int
+    launcher: str  # "slurm" or "local"
