@@ -184,12 +184,13 @@ async def bench_engine(model_path: str, model_name: str, prompts: list[str], war
     res.startup_s = time.perf_counter() - t0
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
-    async def one(text: str) -> tuple[float, float, int, str]:
-        """(total, ttft, tokens, text); tokenization counts, as the replica does it per request."""
+    async def one(text: str, stream: bool = False) -> tuple[float, float, int, str]:
+        """(total, ttft, tokens, text); tokenization counts, as the replica does it per request.
+        ``stream`` as (b)'s requests: deltas only for the time-to-first-token pass."""
         start = time.perf_counter()
         rid = uuid.uuid4().hex
         item = WorkItem(request_id=rid, group=rid, index=0, model=model_name, prompt=text,
-                        sampling=sampling)
+                        sampling=sampling, stream=stream)
         request = builder.build(item)
         first = None
         tokens = 0
@@ -227,7 +228,7 @@ async def bench_engine(model_path: str, model_name: str, prompts: list[str], war
         meter.stop("latency")
         meter.start("ttft")
         for text in prompts:
-            total, ttft, tokens, _ = await one(text)
+            total, ttft, tokens, _ = await one(text, stream=True)
             res.ttft_s.append(ttft)
             res.stream_total_s.append(total)
             res.stream_tokens.append(tokens)

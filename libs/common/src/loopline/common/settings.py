@@ -58,6 +58,9 @@ class QueueSettings(CommonSettings):
     state_interval_s: float = 0.2
     # How many ledger rows are written in one transaction.
     ledger_batch: int = 256
+    # The ledger is off the hot path by design; where it shares cores with the gateway, NATS and
+    # inference (make up, a small node) a lower CPU priority keeps it from delaying requests.
+    nice: int = Field(default=5, ge=0, le=19)
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.state_dir / 'loopline.db').resolve()}"

@@ -27,6 +27,8 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: Sampling
+    # False when nobody watches the tokens arrive: an engine may then yield only the final delta.
+    stream: bool = True
 
 
 @dataclass

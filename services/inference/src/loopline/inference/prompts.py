@@ -56,4 +56,4 @@ class PromptBuilder:
             seed=s.seed,
             n=s.n,
         )
-        return GenerationRequest(item.request_id, ids, sampling)
+        return GenerationRequest(item.request_id, ids, sampling, stream=item.stream)

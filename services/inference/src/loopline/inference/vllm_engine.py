@@ -69,6 +69,12 @@ class VllmEngine(Engine):
         from vllm.sampling_params import RequestOutputKind
 
         s = request.sampling
+        # A request nobody streams needs no per-step deltas and, without stop strings (which vLLM
+        # matches on text), no per-step detokenization either: we decode its tokens once at the
+        # end. On a small CPU machine that per-step work, times every running request, competes
+        # with the rest of the platform for the core the engine does not use.
+        final_only = not request.stream
+        decode_at_end = final_only and not s.stop
         params = SamplingParams(
             n=s.n,
             max_tokens=s.max_tokens,
@@ -76,15 +82,19 @@ class VllmEngine(Engine):
             top_p=s.top_p,
             stop=list(s.stop) or None,
             seed=s.seed,
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
+            detokenize=not decode_at_end,
         )
         counts = [0] * s.n
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
         async for output in self.llm.generate(prompt, params, request.request_id):
             for out in output.outputs:
                 counts[out.index] += len(out.token_ids)
-                if out.text or out.finish_reason:
-                    yield Delta(out.index, out.text, counts[out.index], out.finish_reason)
+                text = out.text
+                if decode_at_end:
+                    text = self.llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                if text or out.finish_reason:
+                    yield Delta(out.index, text, counts[out.index], out.finish_reason)
 
     async def abort(self, request_id: str) -> None:
         if self.llm is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 
 from loopline.common.settings import QueueSettings
@@ -12,6 +13,8 @@ from loopline.queue.service import run
 
 def main() -> None:
     settings = QueueSettings()
+    if settings.nice:
+        os.nice(settings.nice)
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
