@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from loopline.inference.engine import Delta, Engine, EngineInfo, GenerationRequest, Sampling
 
@@ -26,8 +27,11 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
 
 
 class ReferenceEngine(Engine):
-    def __init__(self, model_path: str, *, max_model_len: int | None, dtype: str):
+    def __init__(self, model_path: str, *, max_model_len: int | None, dtype: str,
+                 adapter: str | Path | None = None):
         self.model_path = model_path
+        # A training checkpoint folder (any adapter kind) to apply on top of the base model.
+        self.adapter = adapter
         self.max_model_len = max_model_len
         self.dtype = dtype
         # One forward pass at a time: the model is shared and CPU threads are few.
@@ -43,6 +47,10 @@ class ReferenceEngine(Engine):
 
         dtype = "auto" if self.dtype == "auto" else getattr(torch, self.dtype)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).eval()
+        if self.adapter is not None:
+            from loopline.ml.adapters import apply_adapter
+
+            self.model = apply_adapter(self.model, self.adapter)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         config_len = getattr(self.model.config, "max_position_embeddings", 2048)
         self.info = EngineInfo(name="reference", max_model_len=self.max_model_len or config_len)

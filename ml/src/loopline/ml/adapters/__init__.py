@@ -1,0 +1,19 @@
+"""Adapters in Loopline's one on-disk format: Tokenformer, LoRA (PEFT) and full weights ("none").
+
+Torch-only, so inference code can import it: ``apply_adapter(model, checkpoint_dir)``.
+"""
+
+from .io import ADAPTER_TYPES, CONFIG_NAME, WEIGHTS_NAME, apply_adapter, read_adapter_config
+from .tokenformer import TokenformerLinear, add_tokenformer, tokenformer_delta, tokenformer_theta
+
+__all__ = [
+    "ADAPTER_TYPES",
+    "CONFIG_NAME",
+    "WEIGHTS_NAME",
+    "TokenformerLinear",
+    "add_tokenformer",
+    "apply_adapter",
+    "read_adapter_config",
+    "tokenformer_delta",
+    "tokenformer_theta",
+]

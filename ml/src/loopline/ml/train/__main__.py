@@ -1,0 +1,66 @@
+"""`python -m loopline.ml.train --job-dir DIR`: run (or resume) the training job in DIR.
+
+Exit status: 0 completed; 143 stopped by SIGTERM after checkpointing (status stays TRAINING,
+so the trainer requeues it); 1 failed (status FAILED, a `failed` event with the error).
+Logs go to stderr (Slurm's output file); the job's state is in DIR/status.json and events.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+EXIT_FAILED = 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loopline.ml.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--job-dir", type=Path, required=True,
+                        help="folder with config.json and dataset.jsonlines; outputs are written there")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("loopline.ml.train")
+
+    # Slurm sends TERM before a time limit or on preemption: finish the step, checkpoint, exit 143.
+    # Installed first, so a TERM that arrives while the model loads is not lost either.
+    stop = {"requested": False}
+
+    def on_term(signum, frame):  # noqa: ARG001
+        if not stop["requested"]:
+            log.warning("SIGTERM: stopping after the current step")
+        stop["requested"] = True
+
+    signal.signal(signal.SIGTERM, on_term)
+
+    job_dir = args.job_dir.resolve()
+    if not job_dir.is_dir():
+        log.error("job directory %s does not exist", job_dir)
+        return EXIT_FAILED
+
+    # Imported after the handler is in place: torch and transformers take seconds to import.
+    from .config import load_job_config
+    from .loop import run_job
+    from .status import JobReporter
+
+    reporter = JobReporter(job_dir)
+    try:
+        config = load_job_config(job_dir)
+        return run_job(job_dir, config, reporter, lambda: stop["requested"])
+    except Exception as exc:  # noqa: BLE001 - any failure ends the job as FAILED with its reason
+        log.error("training failed:\n%s", traceback.format_exc())
+        error = f"{type(exc).__name__}: {exc}"
+        reporter.write(status="FAILED", error=error)
+        reporter.event("failed", error=error, step=reporter.status["step"])
+        return EXIT_FAILED
+    finally:
+        reporter.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
