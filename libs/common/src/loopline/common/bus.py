@@ -111,6 +111,9 @@ async def ensure_topology(js: JetStreamContext, *, max_work_msgs: int = 1_000_00
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             max_age=7 * 24 * 3600,
+            # The trainer republishes job events it is unsure about after a restart; the same
+            # Nats-Msg-Id within this window is dropped, so no event is seen twice.
+            duplicate_window=DEDUPE_WINDOW_S,
         ),
     )
     # Advisories are core messages; captured in a stream, a dead letter announced while no queue

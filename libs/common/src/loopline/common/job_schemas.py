@@ -64,6 +64,9 @@ class JobInfo(BaseModel):
     llm_name: str
     adapter_type: str
     job_directory: str
+    # From the JobSubmit; the gateway shows them in ScalarLM's job_config (dataset_hash).
+    dataset_sha256: str | None = None
+    code_sha256: str | None = None
     slurm_job_id: str | None = None
     created_at: float
     started_at: float | None = None
@@ -86,7 +89,10 @@ class JobEvent(BaseModel):
 
     job_hash: str
     kind: str  # one of subjects.JOB_EVENT_KINDS
-    seq: int  # per job, increasing; also the dedupe key (Nats-Msg-Id = f"{job_hash}:{seq}")
+    # Per job, increasing: the line number in the job's events.jsonl. Also the dedupe key,
+    # Nats-Msg-Id = f"{job_hash}.{created_ms}:{seq}" (created_ms tells a re-submitted job after a
+    # delete from the first one, whose ids the stream's dedupe window may still hold).
+    seq: int
     time: float = Field(default_factory=time.time)
     status: JobStatus | None = None
     step: int | None = None

@@ -22,6 +22,7 @@ SERVICE_MODULES = {
     "gateway": "loopline.gateway",
     "queue": "loopline.queue",
     "inference": "loopline.inference",
+    "trainer": "loopline.trainer",
 }
 
 

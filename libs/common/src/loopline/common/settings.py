@@ -47,8 +47,16 @@ class GatewaySettings(CommonSettings):
     default_max_tokens: int = 16
     # What a 429 tells the client to wait before retrying.
     retry_after_s: int = 2
-    # The model that serves requests which name none.
+    # The model that serves requests which name none (and that training jobs adapt by default).
     model: str = DEFAULT_MODEL
+    # Training uploads: the archive may inflate to this many bytes and entries, no more (tar bombs).
+    max_dataset_bytes: int = 4 * 1024 * 1024 * 1024
+    max_archive_members: int = 10_000
+    # ScalarLM's chunked upload: its client sends 50 MiB chunks; unfinished uploads expire after the TTL.
+    max_chunk_bytes: int = 100 * 1024 * 1024
+    upload_ttl_s: float = 6 * 3600
+    # How long a trainer request may take; a submit reads the dataset back and calls sbatch.
+    trainer_timeout_s: float = 30.0
 
 
 class QueueSettings(CommonSettings):
@@ -82,6 +90,40 @@ class InferenceSettings(CommonSettings):
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
+
+
+class TrainerSettings(CommonSettings):
+    database_url: str | None = None
+    # One directory per job (config, dataset, code, logs, checkpoints); must be visible to the
+    # Slurm compute nodes under the same path.
+    jobs_path: Path | None = Field(default=None, validation_alias="LOOPLINE_JOBS_DIR")
+    # auto: Slurm when `sbatch` is on PATH and its controller answers (`scontrol ping`), else a
+    # local process per job (same interface).
+    launcher: str = Field(default="auto", pattern="^(auto|slurm|local)$")
+    # A job's own ml/ code runs with the trainer's privileges on the cluster: off unless trusted.
+    allow_user_code: bool = False
+    max_code_bytes: int = 64 * 1024 * 1024
+    # How often unfinished jobs are compared with the launcher and their events published.
+    reconcile_interval_s: float = 2.0
+    # A job that ends this many times in a row without progress (no new step) is failed.
+    max_resubmits: int = 5
+    # The longest one Slurm allocation may run; longer jobs are resumed in further allocations.
+    max_train_time_s: int = 24 * 3600
+    slurm_partition: str | None = None
+    # Extra sbatch arguments, split like a shell would (e.g. "--account=ml --qos=low").
+    slurm_extra_args: str = ""
+    # Replaces `python -m loopline.ml.train` (and `.parallel`) in the entrypoint; `--job-dir DIR`
+    # is appended. For stand-in programs in tests and for sites with their own wrapper.
+    train_command: str | None = None
+    # The served model: what a job trains when its params name no llm_name.
+    model: str = DEFAULT_MODEL
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.jobs_path or self.state_dir / "jobs"
+
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.state_dir / 'loopline.db').resolve()}"
 
 
 class StackSettings(CommonSettings):

@@ -1,4 +1,4 @@
-"""The platform on one machine: nats-server, queue, inference replicas and gateway as processes.
+"""The platform on one machine: nats-server, queue, trainer, inference replicas and gateway as processes.
 
 ``make up``, the end-to-end tests and the benchmarks all start Loopline through this class, so they
 exercise the same start-up path users run.
@@ -28,6 +28,7 @@ class LocalStack:
         self.extra_env = env or {}
         self.nats: launcher.Proc | None = None
         self.queue: launcher.Proc | None = None
+        self.trainer: launcher.Proc | None = None
         self.gateway: launcher.Proc | None = None
         self.inference: dict[str, launcher.Proc] = {}
 
@@ -43,6 +44,10 @@ class LocalStack:
     def logs(self) -> Path:
         return self.state_dir / "logs"
 
+    @property
+    def jobs_dir(self) -> Path:
+        return self.state_dir / "jobs"
+
     def env(self) -> dict[str, str]:
         return {
             "LOOPLINE_NATS_URL": self.nats_url,
@@ -51,6 +56,8 @@ class LocalStack:
             "LOOPLINE_MODELS_DIR": str(self.models_dir),
             "LOOPLINE_HOST": self.host,
             "LOOPLINE_PORT": str(self.port),
+            # Training jobs: Slurm when a controller answers, else a local process per job.
+            "LOOPLINE_JOBS_DIR": str(self.jobs_dir),
             **self.extra_env,
         }
 
@@ -68,6 +75,7 @@ class LocalStack:
             self.prepare_model()
             self.start_nats()
             self.queue = launcher.start_service("queue", self.env(), self.logs / "queue.log")
+            self.trainer = launcher.start_service("trainer", self.env(), self.logs / "trainer.log")
             for i in range(self.replicas):
                 self.start_replica(f"r{i}")
             self.gateway = launcher.start_service("gateway", self.env(), self.logs / "gateway.log")
@@ -93,14 +101,15 @@ class LocalStack:
         return proc
 
     def procs(self) -> list[launcher.Proc]:
-        return [p for p in (self.nats, self.queue, *self.inference.values(), self.gateway) if p is not None]
+        return [p for p in (self.nats, self.queue, self.trainer, *self.inference.values(), self.gateway)
+                if p is not None]
 
     def dead(self) -> list[launcher.Proc]:
         return [p for p in self.procs() if not p.alive()]
 
     def stop(self) -> None:
         """Stop the services first (they drain), NATS last."""
-        for proc in (self.gateway, *self.inference.values(), self.queue, self.nats):
+        for proc in (self.gateway, *self.inference.values(), self.trainer, self.queue, self.nats):
             if proc is not None:
                 launcher.stop(proc)
 

@@ -1,8 +1,9 @@
 """``python -m loopline.common.up`` (``make up``): the whole platform on this machine.
 
-Starts a local nats-server with JetStream, the queue service, the inference replicas and the gateway,
-each as its own process, waits until the gateway serves, prints the URL, and on Ctrl-C (or SIGTERM)
-stops everything it started.
+Starts a local nats-server with JetStream, the queue and trainer services, the inference replicas and
+the gateway, each as its own process, waits until the gateway serves, prints the URL, and on Ctrl-C
+(or SIGTERM) stops everything it started. Training jobs go to Slurm when its controller answers, else
+to a local process per job; their directories are under ``<state dir>/jobs``.
 """
 
 from __future__ import annotations

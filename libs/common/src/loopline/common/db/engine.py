@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+from collections.abc import Iterator
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 
@@ -39,9 +42,29 @@ def make_engine(url: str) -> Engine:
 
 
 def migrate(engine: Engine) -> None:
-    """Bring the schema to the newest revision; safe to run from several processes at start."""
+    """Bring the schema to the newest revision; safe to run from several processes at start
+    (the queue and the trainer share one database and start together)."""
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
-    with engine.begin() as conn:
+    with _migration_lock(engine), engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            # Held to the end of the transaction: a second migrator waits, then finds it done.
+            conn.execute(text("SELECT pg_advisory_xact_lock(20240331)"))
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
+
+
+@contextlib.contextmanager
+def _migration_lock(engine: Engine) -> Iterator[None]:
+    """SQLite runs DDL outside transactions, so two processes migrating an empty file at once
+    would both create the tables: serialise them with a lock file next to the database."""
+    path = engine.url.database if engine.url.get_backend_name() == "sqlite" else None
+    if not path or path == ":memory:":
+        yield
+        return
+    with open(f"{path}.migrate-lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -3,7 +3,9 @@ message, and a message field never leaks into the schema without a migration."""
 
 from __future__ import annotations
 
-from sqlalchemy import Float, Index, Integer, String, Text
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, Float, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -58,3 +60,47 @@ class DeadLetterRow(Base):
     deliveries: Mapped[int] = mapped_column(Integer)
     payload: Mapped[str] = mapped_column(Text)
     failed_at: Mapped[float] = mapped_column(Float)
+
+
+class JobRow(Base):
+    """One training job in the trainer's registry. The loss history is not here: it lives in the
+    job directory's status.json, written by the training program, and is read from there."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        Index("ix_jobs_status", "status"),
+        Index("ix_jobs_created_at", "created_at"),
+    )
+
+    job_hash: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # QUEUED -> TRAINING -> COMPLETED | FAILED | CANCELLED (job_schemas.JobStatus)
+    status: Mapped[str] = mapped_column(String(16))
+    params: Mapped[dict[str, Any]] = mapped_column(JSON)
+    llm_name: Mapped[str] = mapped_column(String(512))
+    model_path: Mapped[str] = mapped_column(String(1024))
+    adapter_type: Mapped[str] = mapped_column(String(32))
+    job_dir: Mapped[str] = mapped_column(String(1024))
+    dataset_sha256: Mapped[str] = mapped_column(String(64))
+    code_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # Which launcher runs it ("slurm" | "local") and its id there (the Slurm job id).
+    launcher: Mapped[str] = mapped_column(String(16))
+    slurm_job_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # Submissions so far (sbatch calls), and those in a row that ended without progress.
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    retries: Mapped[int] = mapped_column(Integer, default=0)
+    step_at_submit: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[float] = mapped_column(Float)
+    submitted_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    max_steps: Mapped[int] = mapped_column(Integer, default=0)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Cursor into the job's events.jsonl: lines published so far (= the last event's seq) and the
+    # byte offset just after them. Moved only after JetStream acknowledged those lines.
+    events_seq: Mapped[int] = mapped_column(Integer, default=0)
+    events_offset: Mapped[int] = mapped_column(BigInteger, default=0)
+    # A finished job's last event (completed, failed, cancelled) is published; until then the
+    # reconcile loop keeps publishing for it, even though the job is finished.
+    events_done: Mapped[bool] = mapped_column(Boolean, default=False)

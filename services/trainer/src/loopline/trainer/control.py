@@ -1,0 +1,314 @@
+"""What can be done to a job: submit, cancel, delete, restart, and (for the reconcile loop) launch
+again or fail it. Endpoints and the reconcile loop both go through here.
+
+Every change to one job happens under that job's lock, so a cancel never races a resubmit and a
+restart never races the reconcile step that would mark the job finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import shlex
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError, ObjectNotFoundError
+
+from loopline.common import bus, subjects
+from loopline.common.job_schemas import JobStatus, JobSubmit
+from loopline.common.settings import TrainerSettings
+from loopline.trainer import jobdir
+from loopline.trainer.errors import CodeRefused, InvalidRequest, TrainerError, Unavailable, WrongState
+from loopline.trainer.events import EventPublisher
+from loopline.trainer.launchers import Launcher, LauncherError, LaunchSpec, LaunchState
+from loopline.trainer.models import resolve_model_path
+from loopline.trainer.registry import Job, Registry
+
+log = logging.getLogger(__name__)
+
+# A hash names a directory and a subject token: nothing that could be a separator or a path.
+_HASH = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+ADAPTER_TYPES = ("tokenformer", "lora", "none")
+MAX_RANKS = 1024
+# How long a cancel/delete/restart waits for a run it stopped to end (its SIGTERM checkpoint).
+STOP_WAIT_S = 20.0
+
+
+class JobControl:
+    def __init__(self, settings: TrainerSettings, registry: Registry, launcher: Launcher,
+                 launchers: dict[str, Launcher], js: JetStreamContext, publisher: EventPublisher):
+        self.settings = settings
+        self.registry = registry
+        self.launcher = launcher
+        self.launchers = launchers
+        self.js = js
+        self.publisher = publisher
+        self.jobs_dir = Path(settings.jobs_dir).resolve()
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    def lock(self, job_hash: str) -> asyncio.Lock:
+        return self._locks[job_hash]
+
+    async def find(self, ref: str) -> Job:
+        return await asyncio.to_thread(self.registry.resolve, ref)
+
+    async def _fresh(self, ref: str) -> Job:
+        """The job as it is now (call under its lock): it may have changed while we waited."""
+        job = await asyncio.to_thread(self.registry.get, ref)
+        if job is None:
+            job = await self.find(ref)  # raises the 404
+        return job
+
+    # --- submit ---------------------------------------------------------------------------------
+    async def submit(self, request: JobSubmit) -> Job:
+        """Create, stage and launch the job; an existing hash returns the existing job as it is."""
+        _check_submit(request)
+        job_hash = request.job_hash
+        async with self.lock(job_hash):
+            existing = await asyncio.to_thread(self.registry.get, job_hash)
+            if existing is not None:
+                return existing
+            if request.code_sha256 and not self.settings.allow_user_code:
+                raise CodeRefused(
+                    "this job ships its own ml/ code, and this server does not run user code "
+                    "(LOOPLINE_ALLOW_USER_CODE=true enables it for trusted users)")
+            llm_name = str(request.params.get("llm_name") or self.settings.model)
+            params = {**request.params, "llm_name": llm_name}
+            model_path = resolve_model_path(llm_name, self.settings.models_dir)
+            job_dir = self.jobs_dir / job_hash
+            await self._stage(request, job_dir, model_path, params)
+            now = time.time()
+            job = Job(
+                job_hash=job_hash, status=JobStatus.QUEUED, params=params, llm_name=llm_name,
+                model_path=model_path, adapter_type=_adapter_type(params), job_dir=job_dir,
+                dataset_sha256=request.dataset_sha256, code_sha256=request.code_sha256,
+                launcher=self.launcher.name, slurm_job_id=None, attempts=0, retries=0, step_at_submit=0,
+                created_at=now, submitted_at=None, started_at=None, finished_at=None, step=0,
+                max_steps=int(params.get("max_steps") or 0), loss=None, error=None,
+                events_seq=0, events_offset=0,
+            )
+            job = await asyncio.to_thread(self.registry.insert, job)
+            job = await self.launch(job)
+            return await self._publish(job)
+
+    async def _stage(self, request: JobSubmit, job_dir: Path, model_path: str, params: dict) -> None:
+        staging = await asyncio.to_thread(jobdir.staging_dir, self.jobs_dir, request.job_hash)
+        try:
+            await self._fetch(request.dataset_sha256, staging / jobdir.DATASET, "dataset")
+            if request.code_sha256:
+                tar = staging / ".code.tar"
+                await self._fetch(request.code_sha256, tar, "code archive")
+                await asyncio.to_thread(jobdir.extract_code, tar, staging, self.settings.max_code_bytes)
+                tar.unlink()
+            await asyncio.to_thread(jobdir.write_config, staging, request.job_hash, model_path, params)
+            # The first event is in the job's event log before the job exists: it is published
+            # from there like every other, so a crash cannot lose it.
+            await asyncio.to_thread(jobdir.append_event, staging, "queued", status=JobStatus.QUEUED.value)
+            await asyncio.to_thread(jobdir.install, staging, job_dir)
+        except BaseException:
+            await asyncio.to_thread(jobdir.remove, staging)
+            raise
+
+    async def _fetch(self, name: str, dest: Path, what: str) -> None:
+        try:
+            store = await self.js.object_store(subjects.DATASETS_BUCKET)
+            # Into a file: reading a large object into memory is slow in nats-py.
+            with open(dest, "wb") as f:
+                await store.get(name, writeinto=f)
+        except (ObjectNotFoundError, NotFoundError) as exc:
+            raise InvalidRequest(f"the {what} {name} is not in the {subjects.DATASETS_BUCKET!r} "
+                                 f"object store") from exc
+        except TrainerError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - NATS down or slow: the gateway may retry
+            raise Unavailable(f"could not read the {what} {name}: {type(exc).__name__}: {exc}") from exc
+
+    # --- launching ------------------------------------------------------------------------------
+    def train_argv(self, job: Job) -> list[str]:
+        if self.settings.train_command:
+            program = shlex.split(self.settings.train_command)
+        else:
+            module = "loopline.ml.parallel" if job.ranks > 1 else "loopline.ml.train"
+            # The trainer's own interpreter: the job runs in the same environment.
+            program = [sys.executable, "-m", module]
+        return [*program, "--job-dir", str(job.job_dir)]
+
+    async def launch(self, job: Job) -> Job:
+        """Submit one run of the job (first, resubmitted, or restarted). When the launcher refuses,
+        the job keeps no run id and its error says why; the reconcile loop tries again."""
+        launcher = self.launcher
+        argv = launcher.rank_command(job.ranks, self.train_argv(job))
+        await asyncio.to_thread(jobdir.write_entrypoint, job.job_dir, argv,
+                                user_code=job.code_sha256 is not None)
+        timeout = job.params.get("timeout") or self.settings.max_train_time_s
+        spec = LaunchSpec(job.job_hash, job.job_dir, job.ranks,
+                          time_limit_s=int(min(float(timeout), self.settings.max_train_time_s)))
+        try:
+            run_id = await asyncio.to_thread(launcher.submit, spec)
+        except LauncherError as exc:
+            log.warning("job %s: %s could not submit: %s", job.job_hash, launcher.name, exc)
+            return await asyncio.to_thread(self.registry.update, job, slurm_job_id=None,
+                                           launcher=launcher.name, error=f"could not submit: {exc}")
+        log.info("job %s: %s run %s (attempt %d)", job.job_hash, launcher.name, run_id, job.attempts + 1)
+        return await asyncio.to_thread(
+            self.registry.update, job, launcher=launcher.name, slurm_job_id=run_id, attempts=job.attempts + 1,
+            submitted_at=time.time(), step_at_submit=job.step, error=None)
+
+    async def relaunch(self, job: Job, why: str) -> Job:
+        """The job's run is over but the job is not: submit it again, so it resumes from its last
+        checkpoint. Runs that end without progress count; too many in a row fail the job."""
+        retries = 0 if job.step > job.step_at_submit else job.retries + 1
+        if retries > self.settings.max_resubmits:
+            tail = await asyncio.to_thread(jobdir.log_tail, job.job_dir)
+            error = f"{why}; it ended {retries} times in a row without progress, so it was not resubmitted"
+            return await self.fail(job, error + (f".\nLast output:\n{tail}" if tail else "."))
+        log.warning("job %s: %s; resubmitting (%d without progress)", job.job_hash, why, retries)
+        job = await asyncio.to_thread(self.registry.update, job, retries=retries)
+        return await self.launch(job)
+
+    async def fail(self, job: Job, error: str) -> Job:
+        job = await asyncio.to_thread(self.registry.update, job, status=JobStatus.FAILED,
+                                      finished_at=time.time(), error=error, events_done=False)
+        await asyncio.to_thread(jobdir.append_event, job.job_dir, "failed", status=JobStatus.FAILED.value,
+                                step=job.step, error=error)
+        return await self._publish(job, final=True)
+
+    async def _publish(self, job: Job, final: bool = False) -> Job:
+        """Publish the job's new events now (through its last one when ``final``); if NATS is down,
+        the reconcile loop does it later: the request has succeeded, its effect is in SQL and the
+        job directory."""
+        try:
+            if final:
+                return await self.publisher.publish_final(job)
+            return await self.publisher.publish_pending(job)
+        except bus.BusUnavailable as exc:
+            log.warning("job %s: events not published yet: %s", job.job_hash, exc)
+            return job
+
+    # --- cancel, delete, restart ----------------------------------------------------------------
+    async def cancel(self, ref: str) -> Job:
+        job = await self.find(ref)
+        async with self.lock(job.job_hash):
+            job = await self._fresh(job.job_hash)
+            if job.status is JobStatus.CANCELLED:
+                return job
+            if job.status.finished:
+                raise WrongState(f"job {job.job_hash} is {job.status.value}; only a queued or training "
+                                 f"job can be cancelled")
+            await self._stop_run(job)
+            # Finished first, its event second: a crash in between leaves a finished job whose
+            # events are not done, and the reconcile loop writes and publishes the event.
+            job = await asyncio.to_thread(self.registry.update, job, status=JobStatus.CANCELLED,
+                                          finished_at=time.time(), events_done=False)
+            await asyncio.to_thread(jobdir.append_event, job.job_dir, "cancelled",
+                                    status=JobStatus.CANCELLED.value, step=job.step)
+            return await self._publish(job, final=True)
+
+    async def delete(self, ref: str) -> Job:
+        job = await self.find(ref)
+        async with self.lock(job.job_hash):
+            job = await self._fresh(job.job_hash)
+            if not job.status.finished:
+                await self._stop_run(job)
+                job = await asyncio.to_thread(self.registry.update, job, status=JobStatus.CANCELLED,
+                                              finished_at=time.time(), events_done=True)
+            # Its run must be over before the directory goes, or a checkpoint written on SIGTERM
+            # would bring part of it back.
+            await self._wait_stopped(job)
+            try:
+                # A job submitted again under this hash starts a fresh history for late subscribers.
+                await self.js.purge_stream(subjects.EVENTS_STREAM, subject=f"events.jobs.{job.job_hash}.>")
+            except Exception as exc:  # noqa: BLE001 - the events age out anyway
+                log.warning("job %s: could not purge its events: %s", job.job_hash, exc)
+            await asyncio.to_thread(jobdir.remove, job.job_dir)
+            await asyncio.to_thread(self.registry.delete, job.job_hash)
+            log.info("job %s deleted", job.job_hash)
+            return job
+
+    async def restart(self, ref: str) -> Job:
+        job = await self.find(ref)
+        async with self.lock(job.job_hash):
+            job = await self._fresh(job.job_hash)
+            if job.status not in (JobStatus.FAILED, JobStatus.CANCELLED):
+                raise WrongState(f"job {job.job_hash} is {job.status.value}; only a failed or cancelled "
+                                 f"job can be restarted")
+            if not await self._wait_stopped(job):
+                raise WrongState(f"job {job.job_hash}'s previous run is still stopping; retry shortly")
+            await asyncio.to_thread(jobdir.mark_requeued, job.job_dir)
+            # What the old run wrote after it was cancelled or failed is not news: start after it.
+            seq, offset = await asyncio.to_thread(jobdir.events_end, job.job_dir)
+            job = await asyncio.to_thread(
+                self.registry.update, job, status=JobStatus.QUEUED, error=None, finished_at=None, retries=0,
+                slurm_job_id=None, events_seq=seq, events_offset=offset, events_done=False)
+            await asyncio.to_thread(jobdir.append_event, job.job_dir, "queued", status=JobStatus.QUEUED.value,
+                                    step=job.step)
+            job = await self.launch(job)
+            return await self._publish(job)
+
+    async def _stop_run(self, job: Job) -> None:
+        launcher = self.launchers.get(job.launcher)
+        if job.slurm_job_id is None or launcher is None:
+            return
+        try:
+            await asyncio.to_thread(launcher.cancel, job.slurm_job_id)
+        except LauncherError as exc:
+            raise Unavailable(f"could not stop {launcher.name} run {job.slurm_job_id}: {exc}") from exc
+
+    async def _wait_stopped(self, job: Job) -> bool:
+        """Wait (a bounded time) until the job's last run has ended; True when it has."""
+        launcher = self.launchers.get(job.launcher)
+        if job.slurm_job_id is None or launcher is None:
+            return True
+        deadline = time.monotonic() + STOP_WAIT_S
+        while True:
+            try:
+                state = await asyncio.to_thread(launcher.state, job.slurm_job_id)
+            except LauncherError:
+                state = LaunchState.UNKNOWN
+            if state.ended:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.2)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _adapter_type(params: dict) -> str:
+    return str(params.get("adapter_type") or "tokenformer").lower()
+
+
+def _check_submit(request: JobSubmit) -> None:
+    """Refuse (422) what the trainer itself cannot use; the training program checks the rest."""
+    if not _HASH.match(request.job_hash):
+        raise InvalidRequest(f"job_hash {request.job_hash!r} must be 1-128 letters, digits, '-' or '_'")
+    for name in (request.dataset_sha256, request.code_sha256):
+        if name is not None and not _HASH.match(name):
+            raise InvalidRequest(f"object name {name!r} is not a content hash")
+    params = request.params
+    ranks = params.get("tensor_parallel", 1)
+    if ranks is not None and not (_is_int(ranks) and 1 <= ranks <= MAX_RANKS):
+        raise InvalidRequest(f"tensor_parallel must be an integer from 1 to {MAX_RANKS}, not {ranks!r}")
+    timeout = params.get("timeout")
+    if timeout is not None and not (_is_number(timeout) and timeout > 0):
+        raise InvalidRequest(f"timeout must be a positive number of seconds, not {timeout!r}")
+    llm_name = params.get("llm_name")
+    if llm_name is not None and not isinstance(llm_name, str):
+        raise InvalidRequest(f"llm_name must be a string, not {llm_name!r}")
+    if _adapter_type(params) not in ADAPTER_TYPES:
+        raise InvalidRequest(f"adapter_type must be one of {', '.join(ADAPTER_TYPES)}, "
+                             f"not {params.get('adapter_type')!r}")
+    max_steps = params.get("max_steps")
+    if max_steps is not None and not (_is_int(max_steps) and max_steps >= 1):
+        raise InvalidRequest(f"max_steps must be a positive integer, not {max_steps!r}")

@@ -1,0 +1,170 @@
+"""The trainer's request-reply endpoints (nats.micro) on svc.trainer.*.
+
+Requests and replies are the wire types of loopline.common.job_schemas. A refused request is answered
+with nats.micro's error headers, the HTTP status the gateway should use as the code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from nats.aio.client import Client as NATS
+from nats.micro import add_service
+from nats.micro.request import Request
+from nats.micro.service import Service
+from pydantic import BaseModel, ValidationError
+
+from loopline.common import subjects
+from loopline.common.job_schemas import (
+    ClusterInfo,
+    JobList,
+    JobRef,
+    JobSubmit,
+    LogLine,
+    LogLines,
+    LogsRequest,
+    SqueueReply,
+)
+from loopline.common.schemas import ServiceStatus
+from loopline.trainer import jobdir
+from loopline.trainer.control import JobControl
+from loopline.trainer.errors import InvalidRequest, TrainerError, Unavailable
+from loopline.trainer.info import job_info
+from loopline.trainer.launchers import LauncherError
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+Handler = Callable[[Request], Awaitable[BaseModel]]
+
+
+class Endpoints:
+    def __init__(self, nc: NATS, control: JobControl, replica: str):
+        self.nc = nc
+        self.control = control
+        self.replica = replica
+        # nats.micro handles one endpoint's requests one after another; a submit that downloads a
+        # dataset or a delete that waits for a run to stop must not hold up the others. Each
+        # request runs as its own task (the per-job locks order those about one job).
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> Service:
+        service = await add_service(
+            self.nc, name=subjects.TRAINER_SERVICE, version=VERSION,
+            description="Loopline trainer: training job registry, Slurm submission, job events",
+        )
+        routes: dict[str, tuple[str, Handler]] = {
+            "submit": (subjects.SVC_TRAINER_SUBMIT, self.submit),
+            "get": (subjects.SVC_TRAINER_GET, self.get),
+            "list": (subjects.SVC_TRAINER_LIST, self.list),
+            "cancel": (subjects.SVC_TRAINER_CANCEL, self.cancel),
+            "delete": (subjects.SVC_TRAINER_DELETE, self.delete),
+            "restart": (subjects.SVC_TRAINER_RESTART, self.restart),
+            "logs": (subjects.SVC_TRAINER_LOGS, self.logs),
+            "squeue": (subjects.SVC_TRAINER_SQUEUE, self.squeue),
+            "cluster": (subjects.SVC_TRAINER_CLUSTER, self.cluster),
+            "status": (subjects.SVC_TRAINER_STATUS, self.status),
+        }
+        for name, (subject, handler) in routes.items():
+            await service.add_endpoint(name=name, subject=subject, handler=self._concurrent(name, handler))
+        return service
+
+    def _concurrent(self, name: str, handler: Handler) -> Callable[[Request], Awaitable[None]]:
+        answer = _answering(name, handler)
+
+        async def spawn(req: Request) -> None:
+            task = asyncio.create_task(answer(req), name=f"trainer-{name}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        return spawn
+
+    async def drain(self, timeout_s: float) -> None:
+        """Let requests in progress finish (a submit between sbatch and its row update)."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+
+    async def submit(self, req: Request) -> BaseModel:
+        job = await self.control.submit(_parse(req, JobSubmit))
+        return await asyncio.to_thread(job_info, job)
+
+    async def get(self, req: Request) -> BaseModel:
+        job = await self.control.find(_parse(req, JobRef).job)
+        return await asyncio.to_thread(job_info, job)
+
+    async def list(self, req: Request) -> BaseModel:
+        jobs = await asyncio.to_thread(self.control.registry.list)
+        return JobList(jobs=await asyncio.to_thread(lambda: [job_info(job) for job in jobs]))
+
+    async def cancel(self, req: Request) -> BaseModel:
+        job = await self.control.cancel(_parse(req, JobRef).job)
+        return await asyncio.to_thread(job_info, job)
+
+    async def delete(self, req: Request) -> BaseModel:
+        job = await self.control.delete(_parse(req, JobRef).job)
+        return await asyncio.to_thread(job_info, job)
+
+    async def restart(self, req: Request) -> BaseModel:
+        job = await self.control.restart(_parse(req, JobRef).job)
+        return await asyncio.to_thread(job_info, job)
+
+    async def logs(self, req: Request) -> BaseModel:
+        request = _parse(req, LogsRequest)
+        if request.starting_line_number < 0 or request.limit < 0:
+            raise InvalidRequest("starting_line_number and limit must not be negative")
+        job = await self.control.find(request.job)
+        start, limit = request.starting_line_number, request.limit
+        lines = await asyncio.to_thread(
+            lambda: [LogLine(line_number=n, line=text)
+                     for n, text in jobdir.log_lines(job.job_dir, start, limit)])
+        return LogLines(job_hash=job.job_hash, lines=lines, finished=job.status.finished)
+
+    async def squeue(self, req: Request) -> BaseModel:
+        try:
+            text = await asyncio.to_thread(self.control.launcher.queue_text)
+        except LauncherError as exc:
+            return SqueueReply(squeue_output="", error_message=str(exc))
+        return SqueueReply(squeue_output=text)
+
+    async def cluster(self, req: Request) -> BaseModel:
+        launcher = self.control.launcher
+        try:
+            gpus, nodes = await asyncio.to_thread(launcher.cluster_info)
+        except LauncherError as exc:
+            raise Unavailable(str(exc)) from exc
+        return ClusterInfo(gpu_count=gpus, node_count=nodes, launcher=launcher.name)
+
+    async def status(self, req: Request) -> BaseModel:
+        counts = await asyncio.to_thread(self.control.registry.counts)
+        return ServiceStatus(service="trainer", replica=self.replica, detail={
+            "launcher": self.control.launcher.name,
+            "jobs_dir": str(self.control.jobs_dir),
+            "jobs": counts,
+        })
+
+
+def _parse(req: Request, model: type[BaseModel]):
+    try:
+        return model.model_validate_json(req.data or b"{}")
+    except ValidationError as exc:
+        raise InvalidRequest(f"bad {model.__name__}: {exc}") from exc
+
+
+def _answering(name: str, handler: Handler) -> Callable[[Request], Awaitable[None]]:
+    """Send the handler's reply, or its refusal as a nats.micro error with the HTTP status."""
+
+    async def answer(req: Request) -> None:
+        try:
+            reply = await handler(req)
+        except TrainerError as exc:
+            await req.respond_error(exc.code, exc.message)
+            return
+        except Exception as exc:  # noqa: BLE001 - the caller gets a 500 instead of a timeout
+            log.exception("%s failed", name)
+            await req.respond_error("500", f"{name} failed: {type(exc).__name__}: {exc}")
+            return
+        await req.respond(reply.model_dump_json().encode())
+
+    return answer

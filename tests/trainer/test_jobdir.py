@@ -1,0 +1,126 @@
+"""The job directory: code unpacking that cannot escape, event and log reading, the entrypoint,
+and the model path rules."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import tarfile
+
+import pytest
+
+from loopline.trainer import jobdir
+from loopline.trainer.errors import InvalidRequest
+from loopline.trainer.models import resolve_model_path
+
+
+def make_tar(path, members: list[tuple[tarfile.TarInfo, bytes]]) -> None:
+    with tarfile.open(path, "w") as tar:
+        for info, content in members:
+            info.size = len(content) if info.isreg() else 0
+            tar.addfile(info, io.BytesIO(content) if info.isreg() else None)
+
+
+def entry(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = link
+    return info
+
+
+def test_code_is_unpacked_under_ml(tmp_path):
+    tar = tmp_path / "code.tar"
+    make_tar(tar, [(entry("ml", tarfile.DIRTYPE), b""), (entry("ml/pkg/__init__.py"), b"X = 1\n"),
+                   (entry("./ml/run.py"), b"print(1)\n")])
+    job = tmp_path / "job"
+    job.mkdir()
+    jobdir.extract_code(tar, job, max_bytes=1000)
+    assert (job / "ml/pkg/__init__.py").read_text() == "X = 1\n"
+    assert (job / "ml/run.py").exists()
+
+
+@pytest.mark.parametrize("member", [
+    entry("ml/../../outside.py"),
+    entry("/etc/cron.d/evil"),
+    entry("ml/link", tarfile.SYMTYPE, "/etc/passwd"),
+    entry("ml/rel", tarfile.SYMTYPE, "../../outside"),
+    entry("ml/hard", tarfile.LNKTYPE, "/etc/passwd"),
+    entry("ml/dev", tarfile.CHRTYPE),
+    entry("ml/fifo", tarfile.FIFOTYPE),
+    entry("elsewhere/x.py"),
+], ids=["dotdot", "absolute", "symlink-abs", "symlink-rel", "hardlink", "device", "fifo", "not-ml"])
+def test_unsafe_code_archives_are_refused(tmp_path, member):
+    tar = tmp_path / "code.tar"
+    make_tar(tar, [(entry("ml/ok.py"), b"ok"), (member, b"x")])
+    job = tmp_path / "a" / "b" / "job"
+    job.mkdir(parents=True)
+    with pytest.raises(InvalidRequest):
+        jobdir.extract_code(tar, job, max_bytes=1000)
+    assert list(job.iterdir()) == []  # checked before anything is written
+    assert not (tmp_path / "a" / "outside.py").exists()
+
+
+def test_code_archives_are_capped(tmp_path):
+    tar = tmp_path / "code.tar"
+    make_tar(tar, [(entry("ml/big.bin"), b"x" * 2000)])
+    with pytest.raises(InvalidRequest, match="more than 1000 bytes"):
+        jobdir.extract_code(tar, tmp_path, max_bytes=1000)
+    (tmp_path / "junk.tar").write_bytes(b"not a tar at all" * 100)
+    with pytest.raises(InvalidRequest):
+        jobdir.extract_code(tmp_path / "junk.tar", tmp_path, max_bytes=1000)
+
+
+def test_events_are_read_by_complete_lines(tmp_path):
+    assert jobdir.read_events(tmp_path, 0, 10) == ([], 0)
+    jobdir.append_event(tmp_path, "queued")
+    (tmp_path / "events.jsonl").open("ab").write(b'{"kind": "started"}\n{"kind": "pro')
+    lines, offset = jobdir.read_events(tmp_path, 0, 10)
+    assert len(lines) == 2 and lines[1] == b'{"kind": "started"}\n'
+    assert jobdir.read_events(tmp_path, offset, 10) == ([], offset)
+    assert jobdir.events_end(tmp_path) == (2, offset)
+    first, after_first = jobdir.read_events(tmp_path, 0, 1)
+    assert len(first) == 1 and jobdir.read_events(tmp_path, after_first, 10)[1] == offset
+
+
+def test_logs_are_stitched_across_allocations(tmp_path):
+    first, second = tmp_path / "slurm-9.out", tmp_path / "slurm-10.out"
+    first.write_text("a\nb\n")
+    second.write_text("c\n")
+    os.utime(first, (1, 1))  # the earlier allocation's log stopped changing earlier
+    (tmp_path / "other.out").write_text("not a log\n")
+    assert list(jobdir.log_lines(tmp_path, 0, 100)) == [(0, "a"), (1, "b"), (2, "c")]
+    assert list(jobdir.log_lines(tmp_path, 1, 1)) == [(1, "b")]
+    assert jobdir.log_tail(tmp_path) == "c"
+
+
+def test_the_entrypoint_runs_the_command_in_the_job_dir(tmp_path):
+    show = 'echo "$PWD|$LOOPLINE_JOB_DIR|$PYTHONPATH|$1"'
+    jobdir.write_entrypoint(tmp_path, ["sh", "-c", show, "x", "it's"], user_code=True)
+    out = subprocess.run([str(tmp_path / "entrypoint.sh")], stdout=subprocess.PIPE, text=True,
+                         env={"PATH": os.environ["PATH"]}, cwd="/", check=True).stdout
+    assert out.strip() == f"{tmp_path}|{tmp_path}|{tmp_path}/ml|it's"
+    jobdir.write_entrypoint(tmp_path, ["srun", "--ntasks=2", "python", "-m", "x"], user_code=False)
+    text = (tmp_path / "entrypoint.sh").read_text()
+    assert "PYTHONPATH" not in text and "MASTER_ADDR" in text and "exec srun --ntasks=2" in text
+
+
+def test_status_is_marked_queued_before_a_restart(tmp_path):
+    (tmp_path / "status.json").write_text('{"status": "FAILED", "error": "boom", "step": 7}')
+    jobdir.mark_requeued(tmp_path)
+    status = jobdir.read_status(tmp_path)
+    assert (status["status"], status["error"], status["step"]) == ("QUEUED", None, 7)
+
+
+def test_model_paths_follow_resolve_model_without_torch(tmp_path):
+    models = tmp_path / "models"
+    (models / "SmolLM2-135M-Instruct").mkdir(parents=True)
+    local = tmp_path / "my-model"
+    local.mkdir()
+    assert resolve_model_path(str(local), models) == str(local)
+    smollm2 = resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct", models)
+    assert smollm2 == str(models / "SmolLM2-135M-Instruct")
+    assert resolve_model_path("tiny", models) == "tiny"  # not built yet: the program resolves it
+    (models / "tiny").mkdir()
+    assert resolve_model_path("loopline/tiny", models) == str(models / "tiny")
+    assert resolve_model_path("org/unknown-model", models) == "org/unknown-model"
