@@ -9,9 +9,19 @@ from opentelemetry import trace
 
 from loopline.common.settings import GatewaySettings
 from loopline.common.telemetry import tracer
-from loopline.gateway import errors, health_api, openai_api, scalarlm_api
+from loopline.gateway import (
+    errors,
+    health_api,
+    openai_api,
+    scalarlm_api,
+    train_api,
+    train_streams_api,
+    upload_api,
+)
 from loopline.gateway.body_limit import BodyLimit
 from loopline.gateway.bridge import Bridge
+from loopline.gateway.trainer_bridge import TrainerClient
+from loopline.gateway.upload_chunks import ChunkStaging
 
 _tracer = tracer("loopline.gateway")
 
@@ -42,11 +52,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="Loopline gateway", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.bridge = bridge
+    app.state.trainer = TrainerClient(bridge, settings.trainer_timeout_s)
+    app.state.upload_staging = ChunkStaging(settings.state_dir / "uploads", settings.upload_ttl_s)
     errors.install(app)
 
     app.include_router(openai_api.router)
     app.include_router(scalarlm_api.router)
     app.include_router(health_api.router)
+    # Streams first: /train/logs/{job} must win where it overlaps /train/{job}/events ("logs/events").
+    app.include_router(train_streams_api.router)
+    app.include_router(train_api.router)
+    app.include_router(upload_api.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                        max_upload_bytes=settings.max_upload_bytes)
     app.add_middleware(TraceRequests)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-UPLOAD_PATHS = ("/v1/generate/upload",)
+# Training archives and their chunks are uploads too (the chunk route applies its own, smaller cap).
+UPLOAD_PATHS = ("/v1/generate/upload", "/v1/megatron/train", "/v1/megatron/upload/chunk")
 
 
 class BodyTooLarge(Exception):

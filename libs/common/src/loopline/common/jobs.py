@@ -1,0 +1,258 @@
+"""What a training job is made of: its hash, and the training archive a client uploads.
+
+ScalarLM names a job by the sha256 of the uploaded archive; its 1.151 SDK gzips that archive with the
+mtime in the gzip header, so every resubmission of the same data becomes a new job. We hash what the
+job is made of instead: the canonical params, the *uncompressed* dataset, and the job's own ``ml/``
+code (as a deterministic tar) when it ships one. Same data and params, same job, however packed.
+
+The archive is untrusted input: it is read as a stream and nothing is extracted to disk. Only regular
+files and directories with relative, non-escaping names are accepted, and the uncompressed size is
+capped as it is read, so a small tar.gz cannot inflate into gigabytes.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import tarfile
+import tempfile
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import IO, Any, BinaryIO
+
+DATASET_NAME = "dataset.jsonlines"
+CODE_DIR = "ml"
+# The dataset is spooled to disk beyond this, so a large upload does not sit in memory.
+SPOOL_BYTES = 8 * 1024 * 1024
+# A job's own code is kept in memory (it is one tar in the object store); larger is refused.
+MAX_CODE_BYTES = 64 * 1024 * 1024
+_TAR_BLOCK = 512
+
+
+# --- the job hash ----------------------------------------------------------------------------------
+def canonical_params(params: Mapping[str, Any]) -> bytes:
+    """The params as sorted-keys compact JSON: equal dicts give equal bytes, whatever the key order."""
+    return json.dumps(params, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False).encode()
+
+
+def job_hash(params: Mapping[str, Any], dataset_sha256: str, code_sha256: str | None = None) -> str:
+    """64 hex digits naming the job; the parts are hashed as one canonical JSON object, so no two
+    different (params, dataset, code) can run together into the same bytes."""
+    whole = {"params": params, "dataset_sha256": dataset_sha256, "code_sha256": code_sha256}
+    return hashlib.sha256(canonical_params(whole)).hexdigest()
+
+
+# --- errors ----------------------------------------------------------------------------------------
+class ArchiveError(ValueError):
+    """The upload cannot be used; the message says why, for the user."""
+
+
+class BadArchive(ArchiveError):
+    """Not a readable tar, tar.gz or jsonlines file (corrupt, truncated)."""
+
+
+class UnsafeArchive(ArchiveError):
+    """A member that could escape or alias the job directory: absolute path, '..', link, device."""
+
+
+class ArchiveTooLarge(ArchiveError):
+    """More uncompressed bytes or members than allowed (a tar bomb, or simply too much data)."""
+
+
+class InvalidDataset(ArchiveError):
+    """dataset.jsonlines is missing, empty, or has a line that is not a training example."""
+
+
+# --- reading an archive ----------------------------------------------------------------------------
+@dataclass
+class TrainingArchive:
+    dataset: BinaryIO  # dataset.jsonlines as uploaded, uncompressed, positioned at 0
+    dataset_sha256: str
+    dataset_bytes: int
+    examples: int
+    code: bytes | None = None  # a deterministic tar of ml/ (names sorted, owners and mtimes zeroed)
+    code_sha256: str | None = None
+
+    def close(self) -> None:
+        self.dataset.close()
+
+    def __enter__(self) -> "TrainingArchive":
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
+
+def read_training_archive(source: str | Path | BinaryIO, max_bytes: int, max_members: int) -> TrainingArchive:
+    """Read a tar, tar.gz or plain (optionally gzipped) jsonlines upload; ``source`` is a path or a
+    seekable binary file. ``max_bytes`` caps the uncompressed content, ``max_members`` the entries."""
+    if isinstance(source, (str, Path)):
+        with open(source, "rb") as f:
+            return read_training_archive(f, max_bytes, max_members)
+    source.seek(0)
+    try:
+        stream = _decompressed(source)
+        is_tar = _looks_like_tar(stream.read(_TAR_BLOCK))
+        stream.seek(0)
+        if is_tar:
+            # Headers and padding come on top of the content; the cap still bounds what we inflate.
+            capped = _Capped(stream, max_bytes + _TAR_BLOCK * (3 * max_members + 4), "the archive")
+            return _read_tar(capped, max_bytes, max_members)
+        capped = _Capped(stream, max_bytes, DATASET_NAME)
+        dataset, sha, size, examples = _copy_dataset(io.BufferedReader(capped))
+        return TrainingArchive(dataset, sha, size, examples)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise BadArchive(f"the upload is not a readable tar, tar.gz or jsonlines file: {exc}") from exc
+
+
+def _decompressed(f: BinaryIO) -> IO[bytes]:
+    magic = f.read(2)
+    f.seek(0)
+    return gzip.GzipFile(fileobj=f, mode="rb") if magic == b"\x1f\x8b" else f
+
+
+def _looks_like_tar(block: bytes) -> bool:
+    # POSIX, GNU and PAX headers all carry this magic; a jsonlines file cannot.
+    return len(block) == _TAR_BLOCK and block[257:262] == b"ustar"
+
+
+class _Capped(io.RawIOBase):
+    """A read-only view that refuses to deliver more than ``limit`` bytes (the tar-bomb guard)."""
+
+    def __init__(self, inner: IO[bytes], limit: int, what: str):
+        self.inner, self.limit, self.what, self.seen = inner, limit, what, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self.inner.read(len(buffer))
+        self.seen += len(data)
+        if self.seen > self.limit:
+            raise ArchiveTooLarge(f"{self.what} is larger than the limit of {self.limit} bytes uncompressed")
+        buffer[: len(data)] = data
+        return len(data)
+
+
+def _read_tar(capped: _Capped, max_bytes: int, max_members: int) -> TrainingArchive:
+    dataset: TrainingArchive | None = None
+    code_files: dict[str, tuple[bytes, bool]] = {}
+    members = total = code_bytes = 0
+    try:
+        # Stream mode ("r|"): headers and contents are read once, in order, through the cap.
+        with tarfile.open(fileobj=io.BufferedReader(capped), mode="r|") as tar:
+            for member in tar:
+                members += 1
+                if members > max_members:
+                    raise ArchiveTooLarge(f"the archive has more than {max_members} entries")
+                name = _safe_name(member)
+                if name is None or member.isdir():
+                    continue
+                total += member.size
+                if total > max_bytes:
+                    raise ArchiveTooLarge(f"the archive's files add up to more than {max_bytes} bytes")
+                if name == DATASET_NAME:
+                    if dataset is not None:
+                        raise InvalidDataset(f"the archive holds {DATASET_NAME} twice")
+                    dataset = TrainingArchive(*_copy_dataset(tar.extractfile(member)))
+                elif name.startswith(CODE_DIR + "/"):
+                    if name in code_files:
+                        raise UnsafeArchive(f"the archive holds {name} twice")
+                    code_bytes += member.size
+                    if code_bytes > MAX_CODE_BYTES:
+                        raise ArchiveTooLarge(f"{CODE_DIR}/ is larger than {MAX_CODE_BYTES} bytes")
+                    code_files[name] = (tar.extractfile(member).read(), bool(member.mode & 0o111))
+                # Anything else is not part of a job; it was checked for safety and is ignored.
+    except tarfile.TarError as exc:
+        if dataset is not None:
+            dataset.close()
+        raise BadArchive(f"the archive is not a valid tar: {exc}") from exc
+    except BaseException:
+        if dataset is not None:
+            dataset.close()
+        raise
+    if dataset is None:
+        raise InvalidDataset(f"the archive has no {DATASET_NAME} at its top level")
+    if code_files:
+        dataset.code = deterministic_tar(code_files)
+        dataset.code_sha256 = hashlib.sha256(dataset.code).hexdigest()
+    return dataset
+
+
+def _safe_name(member: tarfile.TarInfo) -> str | None:
+    """The member's normalised relative name, or None for the archive root; raise if it is unsafe."""
+    raw = member.name
+    if member.issym() or member.islnk():
+        raise UnsafeArchive(f"{raw!r} is a link; links are not accepted in a training archive")
+    if not (member.isreg() or member.isdir()):
+        raise UnsafeArchive(f"{raw!r} is not a regular file or directory (device, fifo...)")
+    if raw.startswith("/") or "\\" in raw or "\x00" in raw:
+        raise UnsafeArchive(f"{raw!r} is an absolute or malformed path")
+    parts = [p for p in PurePosixPath(raw).parts if p != "."]
+    if ".." in parts:
+        raise UnsafeArchive(f"{raw!r} points outside the archive ('..')")
+    return "/".join(parts) or None
+
+
+def _copy_dataset(lines: Iterable[bytes]) -> tuple[BinaryIO, str, int, int]:
+    """Validate dataset.jsonlines line by line while spooling and hashing it as is."""
+    out = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
+    sha = hashlib.sha256()
+    size = examples = 0
+    try:
+        for number, line in enumerate(lines, start=1):
+            out.write(line)
+            sha.update(line)
+            size += len(line)
+            if line.strip():
+                _check_example(line, number)
+                examples += 1
+    except BaseException:
+        out.close()
+        raise
+    if examples == 0:
+        out.close()
+        raise InvalidDataset(f"{DATASET_NAME} has no examples: send at least one line "
+                             '{"input": "...", "output": "..."}')
+    out.seek(0)
+    return out, sha.hexdigest(), size, examples
+
+
+def _check_example(line: bytes, number: int) -> None:
+    where = f"{DATASET_NAME} line {number}"
+    try:
+        example = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InvalidDataset(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidDataset(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+    if not isinstance(example, dict):
+        raise InvalidDataset(f'{where}: expected an object {{"input": str, "output": str}}, '
+                             f"got {type(example).__name__}")
+    for key in ("input", "output"):
+        if not isinstance(example.get(key), str):
+            if key not in example:
+                raise InvalidDataset(f"{where}: {key!r} is missing")
+            raise InvalidDataset(f"{where}: {key!r} must be a string, not {type(example[key]).__name__}")
+
+
+def deterministic_tar(files: Mapping[str, tuple[bytes, bool]]) -> bytes:
+    """An uncompressed tar of ``{name: (content, executable)}`` that depends on nothing else: sorted
+    names, no mtimes, owners or umask, so equal code always has equal bytes and hash."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in sorted(files):
+            content, executable = files[name]
+            info = tarfile.TarInfo(name)
+            info.size = len(content)
+            info.mode = 0o755 if executable else 0o644
+            info.mtime = 0
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            tar.addfile(info, io.BytesIO(content))
+    return buffer.getvalue()

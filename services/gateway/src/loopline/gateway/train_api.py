@@ -1,0 +1,83 @@
+"""ScalarLM-compatible training routes (contract: shared/reference/scalarlm-api.md §1 "Training").
+
+Jobs live in the trainer; these routes translate. Where ScalarLM answers 500 (unknown job) or
+200+null (failed cancel), we pass on the trainer's honest status instead.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.datastructures import UploadFile
+
+from loopline.common import subjects
+from loopline.gateway.errors import ApiError
+from loopline.gateway.train_models import ModelList, TrainResponse, model_entry
+from loopline.gateway.train_submit import parse_params, respond, submit_archive, trainer_of
+
+router = APIRouter(prefix="/v1/megatron")
+
+# The params part is a small JSON object; the file part is spooled to a temporary file as it arrives.
+MAX_PARAMS_BYTES = 1024 * 1024
+
+
+@router.post("/train", response_model=TrainResponse)
+async def train(request: Request):
+    """multipart ``file`` (tar.gz with dataset.jsonlines and optional ml/) and ``params`` (JSON).
+    The body's size cap is the upload limit (BodyLimit answers 413)."""
+    form = await request.form(max_files=2, max_fields=4, max_part_size=MAX_PARAMS_BYTES)
+    try:
+        upload = form.get("file")
+        if not isinstance(upload, UploadFile):
+            raise ApiError(400, "the multipart body needs a 'file' part with the training archive",
+                           param="file")
+        params = form.get("params")
+        if isinstance(params, UploadFile):  # sent with a filename: read it, but only so much
+            params = await params.read(MAX_PARAMS_BYTES)
+        params = parse_params(params)
+        return await submit_archive(request, upload.file, params)
+    finally:
+        await form.close()
+
+
+@router.get("/train/{job}", response_model=TrainResponse)
+async def get_training_job(job: str, request: Request):
+    """``job`` is a job hash, a unique prefix of one, or ``latest``."""
+    return respond(request, await trainer_of(request).get(job))
+
+
+@router.get("/list_models", response_model=ModelList)
+async def list_models(request: Request):
+    jobs = await trainer_of(request).list()
+    served = request.app.state.bridge.models
+    return ModelList(models=[model_entry(info, info.job_hash in served) for info in jobs.jobs])
+
+
+@router.post("/cancel/{job}", response_model=TrainResponse)
+async def cancel(job: str, request: Request):
+    return respond(request, await trainer_of(request).control(subjects.SVC_TRAINER_CANCEL, job))
+
+
+@router.post("/delete/{job}", response_model=TrainResponse)
+async def delete(job: str, request: Request):
+    return respond(request, await trainer_of(request).control(subjects.SVC_TRAINER_DELETE, job))
+
+
+@router.post("/restart/{job}", response_model=TrainResponse)
+async def restart(job: str, request: Request):
+    """Only a FAILED or CANCELLED job restarts; the trainer answers 409 otherwise."""
+    return respond(request, await trainer_of(request).control(subjects.SVC_TRAINER_RESTART, job))
+
+
+@router.get("/squeue")
+async def squeue(request: Request):
+    return (await trainer_of(request).squeue()).model_dump()
+
+
+@router.get("/gpu_count")
+async def gpu_count(request: Request):
+    return {"gpu_count": (await trainer_of(request).cluster()).gpu_count}
+
+
+@router.get("/node_count")
+async def node_count(request: Request):
+    return {"node_count": (await trainer_of(request).cluster()).node_count}

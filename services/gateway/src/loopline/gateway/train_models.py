@@ -1,0 +1,87 @@
+"""ScalarLM's training response shapes (shared/reference/scalarlm-api.md §1, §3), built from the
+trainer's JobInfo. These are HTTP wire types; JobInfo is what crosses NATS."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import BaseModel
+
+from loopline.common.job_schemas import HistoryPoint, JobInfo
+
+# ScalarLM's `ls -l` shows the loss as an exponential moving average of the history.
+LOSS_EMA = 0.9
+
+
+class JobStatusBody(BaseModel):
+    """What ScalarLM keeps in a job's status.json."""
+
+    status: str
+    model_name: str  # the job hash: the name to generate with
+    job_directory: str
+    job_id: str | None  # the Slurm job id
+    start_time: float
+    history: list[HistoryPoint]
+    max_steps: int
+    step: int
+    accumulated_train_seconds: float
+    error: str | None
+
+
+class TrainResponse(BaseModel):
+    job_status: JobStatusBody
+    job_config: dict[str, Any]
+    deployed: bool
+
+
+class ModelEntry(BaseModel):
+    name: str
+    deployed: bool
+    status: str
+    start_time: float
+    step: int
+    max_steps: int
+    train_time: float
+    loss: float | None
+
+
+class ModelList(BaseModel):
+    models: list[ModelEntry]
+
+
+def train_seconds(info: JobInfo) -> float:
+    if info.history:
+        return info.history[-1].time
+    if info.started_at is None:
+        return 0.0
+    return max(0.0, (info.finished_at or time.time()) - info.started_at)
+
+
+def smoothed_loss(history: list[HistoryPoint]) -> float | None:
+    if not history:
+        return None
+    loss = history[0].loss
+    for point in history[1:]:
+        loss = LOSS_EMA * loss + (1 - LOSS_EMA) * point.loss
+    return loss
+
+
+def train_response(info: JobInfo, deployed: bool) -> TrainResponse:
+    status = JobStatusBody(
+        status=info.status.value, model_name=info.job_hash, job_directory=info.job_directory,
+        job_id=info.slurm_job_id, start_time=info.created_at, history=info.history,
+        max_steps=info.max_steps, step=info.step, accumulated_train_seconds=train_seconds(info),
+        error=info.error,
+    )
+    # The effective values win over what the user sent (llm_name filled in, adapter_type defaulted).
+    config = {**info.params, "llm_name": info.llm_name, "adapter_type": info.adapter_type,
+              "dataset_hash": info.dataset_sha256, "job_directory": info.job_directory,
+              "training_data_path": f"{info.job_directory}/dataset.jsonlines"}
+    return TrainResponse(job_status=status, job_config=config, deployed=deployed)
+
+
+def model_entry(info: JobInfo, deployed: bool) -> ModelEntry:
+    return ModelEntry(name=info.job_hash, deployed=deployed, status=info.status.value,
+                      start_time=info.created_at, step=info.step, max_steps=info.max_steps,
+                      train_time=train_seconds(info), loss=smoothed_loss(info.history))

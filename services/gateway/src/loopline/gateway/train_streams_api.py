@@ -1,0 +1,113 @@
+"""Following a training job: its log (ScalarLM's NDJSON-over-event-stream) and its events (SSE).
+
+Both look the job up first, so an unknown job is a 404 with a JSON body, never an empty stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+from nats.errors import TimeoutError as NatsTimeoutError
+from pydantic import ValidationError
+
+from loopline.common import subjects
+from loopline.common.job_schemas import JobEvent, LogLines, LogsRequest
+from loopline.gateway.errors import ApiError
+from loopline.gateway.train_submit import trainer_of
+from loopline.gateway.trainer_bridge import TrainerClient
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1/megatron")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# The trainer is asked for new log lines this often while the job runs (ScalarLM's CLI polls at 1 s).
+LOG_POLL_S = 1.0
+LOG_PAGE = 1000
+# A comment line this often keeps proxies from closing a quiet event stream.
+KEEPALIVE_S = 15.0
+# A job already over when the stream opens: its stored history is all there is; this much silence
+# means it has all been sent (covers a history whose final event has aged out of the stream).
+HISTORY_IDLE_S = 1.0
+FINAL_KINDS = {"completed", "failed", "cancelled"}
+
+
+@router.get("/train/logs/{job}")
+async def train_logs(job: str, request: Request, starting_line_number: int = Query(0, ge=0),
+                     follow: bool = True):
+    """NDJSON lines ``{"line", "line_number"}`` as ScalarLM's CLI parses them (each chunk as JSON lines,
+    so no ``data:`` prefix), served as text/event-stream. Follows the log until the job is over;
+    ``follow=false`` returns what is there now."""
+    trainer = trainer_of(request)
+    first = await trainer.logs(LogsRequest(job=job, starting_line_number=starting_line_number,
+                                           limit=LOG_PAGE))
+    return StreamingResponse(_log_lines(trainer, first, starting_line_number, follow),
+                             media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _log_lines(trainer: TrainerClient, page: LogLines, next_line: int, follow: bool):
+    # Invariant: every line before next_line has been sent once; a page shorter than LOG_PAGE means
+    # we have caught up with the log.
+    while True:
+        for entry in page.lines:
+            # One write per line: the client parses each chunk it receives on its own.
+            yield json.dumps({"line": entry.line, "line_number": entry.line_number}) + "\n"
+        if page.lines:
+            next_line = page.lines[-1].line_number + 1
+        caught_up = len(page.lines) < LOG_PAGE
+        if caught_up and (page.finished or not follow):
+            return
+        if caught_up:
+            await asyncio.sleep(LOG_POLL_S)
+        try:
+            page = await trainer.logs(LogsRequest(job=page.job_hash, starting_line_number=next_line,
+                                                  limit=LOG_PAGE))
+        except ApiError as exc:  # the trainer went away: end; the client asks again from its last line
+            log.info("log stream of %s ends early: %s", page.job_hash, exc.message)
+            return
+
+
+@router.get("/train/{job}/events")
+async def job_events(job: str, request: Request):
+    """One job's events, from its first (queued) to its last (completed, failed or cancelled)."""
+    trainer = trainer_of(request)
+    info = await trainer.get(job)
+    sub = await trainer.follow_events(subjects.job_events(info.job_hash))
+    return StreamingResponse(_sse(sub, one_job=True, over=info.status.finished),
+                             media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@router.get("/events")
+async def all_job_events(request: Request):
+    """Every job's events, stored ones first, then live; the stream does not end by itself."""
+    sub = await trainer_of(request).follow_events(subjects.JOB_EVENTS_ALL)
+    return StreamingResponse(_sse(sub, one_job=False, over=False),
+                             media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _sse(sub, *, one_job: bool, over: bool):
+    # Invariant: stored events are sent once each, in stream order; a one-job stream ends after the
+    # job's final event, or (job over before we came) once its stored history has been sent.
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=HISTORY_IDLE_S if over else KEEPALIVE_S)
+            except NatsTimeoutError:
+                if over:
+                    return
+                yield ": keepalive\n\n"
+                continue
+            try:
+                event = JobEvent.model_validate_json(msg.data)
+            except ValidationError as exc:
+                log.warning("skipping a malformed event on %s: %s", msg.subject, exc)
+                continue
+            data = event.model_dump_json(exclude_none=True)
+            yield f"id: {msg.metadata.sequence.stream}\nevent: {event.kind}\ndata: {data}\n\n"
+            if one_job and (event.kind in FINAL_KINDS or (over and msg.metadata.num_pending == 0)):
+                return
+    finally:
+        await sub.unsubscribe()

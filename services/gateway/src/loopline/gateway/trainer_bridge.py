@@ -1,0 +1,127 @@
+"""The gateway's side of training on NATS: the trainer's request-reply API (svc.trainer.*), the
+``datasets`` object store, and the job events users follow.
+
+The trainer answers errors through nats.micro's error headers with an HTTP status as the code; they
+become the same HTTP status here. No trainer running is a 503, a trainer too slow a 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import IO, TypeVar
+
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.js.api import DeliverPolicy
+from nats.js.errors import ObjectNotFoundError
+from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
+from pydantic import BaseModel, ValidationError
+
+from loopline.common import subjects
+from loopline.common.job_schemas import (
+    ClusterInfo,
+    JobInfo,
+    JobList,
+    JobRef,
+    JobSubmit,
+    LogLines,
+    LogsRequest,
+    SqueueReply,
+)
+from loopline.gateway.bridge import Bridge
+from loopline.gateway.errors import ApiError
+
+Reply = TypeVar("Reply", bound=BaseModel)
+# A submit has the trainer read the dataset back and call sbatch: give it longer than a query.
+SUBMIT_TIMEOUT_FACTOR = 4
+
+
+class TrainerClient:
+    def __init__(self, bridge: Bridge, timeout_s: float):
+        self.bridge = bridge
+        self.timeout_s = timeout_s
+        self._datasets = None
+
+    # --- request-reply ------------------------------------------------------------------------------
+    async def call(self, subject: str, body: BaseModel | None, reply: type[Reply],
+                   timeout_s: float | None = None) -> Reply:
+        payload = body.model_dump_json().encode() if body is not None else b"{}"
+        timeout_s = timeout_s or self.timeout_s
+        try:
+            msg = await self.bridge.nc.request(subject, payload, timeout=timeout_s)
+        except NoRespondersError as exc:
+            raise ApiError(503, f"the trainer is not running (nobody answers {subject}); retry later",
+                           headers={"Retry-After": "5"}) from exc
+        except (NatsTimeoutError, asyncio.TimeoutError) as exc:
+            raise ApiError(504, f"the trainer did not answer {subject} within {timeout_s:g} s") from exc
+        except Exception as exc:  # noqa: BLE001 - connection closed or reconnecting
+            raise ApiError(503, f"the message bus is unavailable ({type(exc).__name__}); retry",
+                           headers={"Retry-After": "1"}) from exc
+        headers = msg.headers or {}
+        code = headers.get(ERROR_CODE_HEADER)
+        if code:
+            status = int(code) if code.isdigit() and 400 <= int(code) <= 599 else 502
+            raise ApiError(status, headers.get(ERROR_HEADER) or f"the trainer answered error {code}")
+        try:
+            return reply.model_validate_json(msg.data)
+        except ValidationError as exc:
+            raise ApiError(502, f"the trainer's answer to {subject} is malformed: {exc}") from exc
+
+    async def get(self, job: str) -> JobInfo:
+        return await self.call(subjects.SVC_TRAINER_GET, JobRef(job=job), JobInfo)
+
+    async def find(self, job_hash: str) -> JobInfo | None:
+        """The job if the trainer knows it; None when it answers 404."""
+        try:
+            return await self.get(job_hash)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def submit(self, job: JobSubmit) -> JobInfo:
+        return await self.call(subjects.SVC_TRAINER_SUBMIT, job, JobInfo,
+                               timeout_s=self.timeout_s * SUBMIT_TIMEOUT_FACTOR)
+
+    async def list(self) -> JobList:
+        return await self.call(subjects.SVC_TRAINER_LIST, None, JobList)
+
+    async def control(self, subject: str, job: str) -> JobInfo:
+        """cancel, delete or restart."""
+        return await self.call(subject, JobRef(job=job), JobInfo)
+
+    async def logs(self, request: LogsRequest) -> LogLines:
+        return await self.call(subjects.SVC_TRAINER_LOGS, request, LogLines)
+
+    async def squeue(self) -> SqueueReply:
+        return await self.call(subjects.SVC_TRAINER_SQUEUE, None, SqueueReply)
+
+    async def cluster(self) -> ClusterInfo:
+        return await self.call(subjects.SVC_TRAINER_CLUSTER, None, ClusterInfo)
+
+    # --- datasets -----------------------------------------------------------------------------------
+    async def store_dataset(self, name: str, data: bytes | IO[bytes]) -> bool:
+        """Put an object in the ``datasets`` bucket under its content hash, unless it is there already
+        (the same bytes uploaded again cost nothing). Returns whether it was written now."""
+        try:
+            if self._datasets is None:
+                self._datasets = await self.bridge.js.object_store(subjects.DATASETS_BUCKET)
+            try:
+                await self._datasets.get_info(name)
+                return False
+            except ObjectNotFoundError:
+                pass
+            await self._datasets.put(name, data)
+            return True
+        except Exception as exc:  # noqa: BLE001 - NATS down or JetStream refusing (storage full)
+            raise ApiError(503, f"could not store the dataset: {exc}; retry",
+                           headers={"Retry-After": "2"}) from exc
+
+    # --- events -------------------------------------------------------------------------------------
+    async def follow_events(self, subject_filter: str):
+        """An ordered, ephemeral consumer on EVENTS from the first stored event: a client that comes
+        late still sees the whole history, then what happens next. Unsubscribe when done."""
+        try:
+            return await self.bridge.js.subscribe(subject_filter, stream=subjects.EVENTS_STREAM,
+                                                  ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+        except Exception as exc:  # noqa: BLE001 - NATS down
+            raise ApiError(503, f"cannot follow job events: {exc}; retry") from exc

@@ -1,0 +1,135 @@
+"""ScalarLM's chunked training upload: init, chunk (retried by the client on 422), finalize.
+
+Its client switches to this path above 90 MiB (proxies such as Cloudflare cap a body at 100 MB).
+Finalize hands the assembled archive to the same submit path as /v1/megatron/train.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+
+from loopline.gateway.errors import ApiError
+from loopline.gateway.train_models import TrainResponse
+from loopline.gateway.train_submit import submit_archive
+from loopline.gateway.upload_chunks import ChunkStaging, UnknownUpload, UploadPlan
+
+router = APIRouter(prefix="/v1/megatron/upload")
+
+_SHA256 = re.compile(r"^[0-9a-fA-F]{64}$")
+
+
+class InitRequest(BaseModel):
+    total_size: int = Field(gt=0)
+    total_hash: str = Field(pattern=_SHA256.pattern)
+    chunk_size: int = Field(gt=0)
+    num_chunks: int = Field(gt=0)
+    compressed: bool = True  # informative only: the packing is recognised from the bytes
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class FinalizeRequest(BaseModel):
+    upload_id: str
+
+
+def staging_of(request: Request) -> ChunkStaging:
+    return request.app.state.upload_staging
+
+
+def plan_of(staging: ChunkStaging, upload_id: str) -> UploadPlan:
+    try:
+        return staging.plan(upload_id)
+    except UnknownUpload as exc:
+        raise ApiError(404, f"no upload {upload_id!r}: unknown, finished or expired; start again with "
+                            "/v1/megatron/upload/init", param="upload_id") from exc
+
+
+@router.post("/init")
+async def init(body: InitRequest, request: Request):
+    settings = request.app.state.settings
+    if body.total_size > settings.max_upload_bytes:
+        raise ApiError(413, f"the upload is {body.total_size} bytes; the limit is "
+                            f"{settings.max_upload_bytes}")
+    if body.chunk_size > settings.max_chunk_bytes:
+        raise ApiError(413, f"chunks of {body.chunk_size} bytes are larger than the limit of "
+                            f"{settings.max_chunk_bytes}; send smaller chunks")
+    if body.num_chunks != -(-body.total_size // body.chunk_size):
+        raise ApiError(422, f"{body.total_size} bytes in chunks of {body.chunk_size} make "
+                            f"{-(-body.total_size // body.chunk_size)} chunks, not {body.num_chunks}")
+    plan = UploadPlan(body.total_size, body.total_hash.lower(), body.chunk_size, body.num_chunks, body.params)
+    upload_id, received = await asyncio.to_thread(staging_of(request).open, plan)
+    return {"upload_id": upload_id, "received_chunks": received}
+
+
+def _header(request: Request, name: str) -> str:
+    value = request.headers.get(name)
+    if not value:
+        raise ApiError(400, f"the {name} header is missing", param=name)
+    return value.strip()
+
+
+@router.post("/chunk")
+async def chunk(request: Request):
+    """The raw chunk as the body; headers X-Upload-Id, X-Chunk-Index, X-Chunk-Hash (sha256 hex)."""
+    settings = request.app.state.settings
+    staging = staging_of(request)
+    upload_id = _header(request, "X-Upload-Id")
+    index_text, expected = _header(request, "X-Chunk-Index"), _header(request, "X-Chunk-Hash").lower()
+    plan = plan_of(staging, upload_id)
+    if not (index_text.isascii() and index_text.isdigit()) or int(index_text) >= plan.num_chunks:
+        raise ApiError(400, f"X-Chunk-Index {index_text!r} is not a chunk of this upload "
+                            f"(0..{plan.num_chunks - 1})", param="X-Chunk-Index")
+    index = int(index_text)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > settings.max_chunk_bytes:
+        raise ApiError(413, f"chunk {index} is {declared} bytes; the limit is {settings.max_chunk_bytes}")
+    part = staging.new_part(upload_id)
+    sha, size = hashlib.sha256(), 0
+    try:
+        with open(part, "wb") as out:
+            async for piece in request.stream():
+                size += len(piece)
+                if size > settings.max_chunk_bytes:
+                    raise ApiError(413, f"chunk {index} is larger than the limit of "
+                                        f"{settings.max_chunk_bytes} bytes")
+                sha.update(piece)
+                out.write(piece)
+        if sha.hexdigest() != expected:
+            # 422 tells ScalarLM's client the chunk was damaged on the way: it sends it again.
+            raise ApiError(422, f"chunk {index} has sha256 {sha.hexdigest()}, not the {expected} in "
+                                "X-Chunk-Hash; send it again")
+        if size != plan.chunk_length(index):
+            raise ApiError(400, f"chunk {index} is {size} bytes; this upload's chunk {index} is "
+                                f"{plan.chunk_length(index)} bytes")
+        staging.accept(upload_id, index, part)
+    finally:
+        part.unlink(missing_ok=True)
+    return {"upload_id": upload_id, "chunk_index": index, "received": True, "bytes_written": size}
+
+
+@router.post("/finalize", response_model=TrainResponse)
+async def finalize(body: FinalizeRequest, request: Request):
+    staging = staging_of(request)
+    plan = plan_of(staging, body.upload_id)
+    missing = sorted(set(range(plan.num_chunks)) - set(staging.received(body.upload_id)))
+    if missing:
+        raise ApiError(409, f"chunks {missing[:20]} of {plan.num_chunks} have not arrived; send them, "
+                            "then finalize again", param="upload_id")
+    path, sha, size = await asyncio.to_thread(staging.assemble, body.upload_id)
+    if (sha, size) != (plan.total_hash, plan.total_size):
+        staging.discard(body.upload_id)
+        raise ApiError(422, f"the assembled upload is {size} bytes with sha256 {sha}; init declared "
+                            f"{plan.total_size} bytes with {plan.total_hash}; upload it again")
+    try:
+        response = await submit_archive(request, path, dict(plan.params))
+    except ApiError as exc:
+        if exc.status < 500:  # the archive itself is refused: keeping it helps nobody
+            staging.discard(body.upload_id)
+        raise
+    staging.discard(body.upload_id)
+    return response

@@ -1,0 +1,54 @@
+"""The gateway alone as its own process (no queue, no inference), for tests of its routes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from loopline.common import launcher
+
+BASE_MODEL = "test-org/base-model"
+# Small limits, so the 413 tests need not send megabytes.
+MAX_UPLOAD_BYTES = 256 * 1024
+MAX_CHUNK_BYTES = 64 * 1024
+MAX_DATASET_BYTES = 1024 * 1024
+MAX_MEMBERS = 100
+
+
+@dataclass
+class Gateway:
+    url: str
+    proc: launcher.Proc
+    state_dir: Path
+
+
+def start_gateway(nats_url: str, state: Path, **env: str) -> Gateway:
+    port = launcher.free_port()
+    env = {
+        "LOOPLINE_NATS_URL": nats_url,
+        "LOOPLINE_STATE_DIR": str(state),
+        "LOOPLINE_PORT": str(port),
+        "LOOPLINE_MODEL": BASE_MODEL,
+        "LOOPLINE_MAX_UPLOAD_BYTES": str(MAX_UPLOAD_BYTES),
+        "LOOPLINE_MAX_CHUNK_BYTES": str(MAX_CHUNK_BYTES),
+        "LOOPLINE_MAX_DATASET_BYTES": str(MAX_DATASET_BYTES),
+        "LOOPLINE_MAX_ARCHIVE_MEMBERS": str(MAX_MEMBERS),
+        "LOOPLINE_TRAINER_TIMEOUT_S": "5",
+        **env,
+    }
+    proc = launcher.start_service("gateway", env, state / "gateway.log")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/v1/health/keepalive", timeout=1).status_code == 200:
+                return Gateway(url, proc, state)
+        except httpx.HTTPError:
+            pass
+        if not proc.alive() or time.monotonic() > deadline:
+            launcher.stop(proc)
+            raise RuntimeError(f"the gateway did not start:\n{proc.log_tail()}")
+        time.sleep(0.1)
