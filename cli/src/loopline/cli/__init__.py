@@ -1,0 +1,1 @@
+"""The ``loopline`` command-line tool: talks to the gateway over HTTP only."""

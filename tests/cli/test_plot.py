@@ -1,0 +1,55 @@
+"""``loopline plot`` writes a real PNG, from the gateway's history and from a local status.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib.image
+
+from loopline.cli.client import Gateway
+from loopline.cli.main import _learning_rates
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _check_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    assert len(data) > 5_000  # axes, a line and labels; an empty canvas compresses to far less
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[:2] == (540, 960)  # 8 x 4.5 inches at 120 dpi
+    assert pixels[..., :3].std() > 0.05  # not one flat colour
+
+
+def test_plot_from_the_gateway(cli, standin, tmp_path):
+    job_hash = standin.add_job({"max_steps": 30, "llm_name": "tiny-llama"})
+    out = tmp_path / "loss.png"
+    result = cli("plot", job_hash[:12], "--out", str(out))
+    assert result.exit_code == 0, result.output
+    _check_png(out)
+    gateway = Gateway(standin.url)
+    try:
+        lrs = _learning_rates(gateway, job_hash)
+    finally:
+        gateway.close()
+    assert len(lrs) == 30 and lrs[0][1] > lrs[-1][1]
+
+
+def test_plot_from_file(cli, refused_url, tmp_path):
+    job_dir = tmp_path / ("ab" * 32)
+    job_dir.mkdir()
+    history = [{"step": s, "loss": 4.0 / s, "epoch": 0.0, "time": float(s)} for s in range(1, 11)]
+    (job_dir / "status.json").write_text(json.dumps({"status": "COMPLETED", "history": history}))
+    (job_dir / "config.yaml").write_text("llm_name: tiny-llama\nmax_steps: 10\n")
+    out = tmp_path / "offline.png"
+    # No gateway needed: the URL refuses connections and the command must not try it.
+    result = cli("plot", "--from-file", str(job_dir / "status.json"), "--out", str(out), url=refused_url)
+    assert result.exit_code == 0, result.output
+    _check_png(out)
+
+
+def test_plot_without_history_says_why(cli, refused_url, tmp_path):
+    (tmp_path / "status.json").write_text(json.dumps({"status": "QUEUED", "history": []}))
+    result = cli("plot", "--from-file", str(tmp_path), "--out", str(tmp_path / "x.png"), url=refused_url)
+    assert result.exit_code == 2 and "no loss history yet" in result.output
