@@ -1,61 +1,81 @@
-"""Render the Loopline chart offline for a set of value combinations and check the result.
+"""Render the Loopline chart offline and check the result; run by the deploy tools' Python.
 
-For each case: the values pass values.schema.json, every template renders, every manifest parses
-as YAML and validates against the Kubernetes API schema (strict: unknown fields are errors).
-Values that must be refused (typos, bad enums, missing external URLs) are checked to be refused.
-Then `helm lint --strict`.
+    check_chart.py                      every case below, then `helm lint --strict` (deploy/check.sh)
+    check_chart.py render [-f VALUES]... [--set-json JSON]
+                                        one rendering as JSON: {"objects", "notes", "errors"}, where
+                                        errors are the manifests the Kubernetes schema refuses
+    check_chart.py validate             a JSON list of manifests on stdin -> JSON list of errors
+    check_chart.py lint [-f VALUES]     helm lint --strict -> JSON list of errors
+
+`render` exits 3 when the values are refused (schema or a template's `required`/`fail`), with the
+reason on stderr. tests/deploy drives these commands from the project's pytest, which cannot import
+the tools: they live in their own venv (deploy/install-tools.sh).
 
 Needs helm-python-sdk (Helm's Go SDK as a library; no helm binary), kubernetes-validate and
-PyYAML: deploy/check.sh installs them into a side venv and runs this.
+PyYAML. Licence: CC0-1.0.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 from pathlib import Path
 
-import helm_python as helm
-import kubernetes_validate
-import yaml
-
 CHART = Path(__file__).resolve().parent / "loopline"
+# The API version manifests are validated against (strict: unknown fields are errors). Raise it
+# with the oldest Kubernetes the chart supports.
 KUBERNETES_VERSION = "1.30.0"
+RELEASE = {"name": "demo", "namespace": "loopline"}
 
-# name -> values that must render to valid manifests
+# name -> values that must render to valid manifests (ci/gpu-values.yaml is rendered by the tests
+# as a file, like a user would pass it)
 GOOD: dict[str, dict] = {
     "defaults": {},
-    "gpu, ingress, shared model cache": {
+    "gpu inference, ingress, shared model cache": {
         "image": {"registry": "registry.example.com/ml", "tag": "1.2.3"},
-        "otlpEndpoint": "http://otel-collector:4317",
+        "otlpEndpoint": "http://otel-collector:4318",
         "gateway": {
             "replicas": 2,
             "env": {"LOOPLINE_RESPONSE_TIMEOUT_S": 30},
+            "apiKeys": {"keys": ["key-one", "key-two"]},
             "ingress": {"enabled": True, "className": "nginx",
                         "tls": [{"secretName": "loopline-tls", "hosts": ["loopline.example.com"]}]},
         },
         "inference": {
             "gpus": 2, "replicas": 3, "maxModelLen": 2048, "servedModelName": "smol",
-            "modelCache": {"enabled": True, "accessMode": "ReadWriteMany"},
             "extraEnv": [{"name": "HF_TOKEN",
                           "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}],
             "nodeSelector": {"nvidia.com/gpu.present": "true"},
             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         },
+        "modelCache": {"enabled": True, "accessMode": "ReadWriteMany"},
     },
     "external nats and postgres url, load balancer": {
         "nats": {"enabled": False, "externalUrl": "nats://nats.infra:4222"},
         "postgres": {"enabled": False, "externalUrl": "postgresql://loopline:pw@db.infra:5432/loopline"},
         "gateway": {"service": {"type": "LoadBalancer", "port": 80}},
     },
-    "external postgres url from a secret, node port": {
+    "external nats and postgres from secrets, node port": {
+        "nats": {"enabled": False, "externalUrlSecret": {"name": "loopline-nats-url", "key": "url"}},
         "postgres": {"enabled": False, "externalUrlSecret": {"name": "loopline-db", "key": "url"}},
         "gateway": {"service": {"type": "NodePort", "port": 8000}},
     },
-    "existing secrets and claim": {
+    "existing secrets and claims": {
         "postgres": {"existingSecret": "loopline-pg"},
-        "inference": {"modelCache": {"enabled": True, "existingClaim": "models"}},
+        "nats": {"auth": {"existingSecret": "loopline-nats"}},
+        "slurm": {"munge": {"existingSecret": "loopline-munge"}},
+        "modelCache": {"enabled": True, "existingClaim": "models"},
+        "jobs": {"existingClaim": "loopline-jobs"},
     },
-    "fixed password, fullnameOverride": {"postgres": {"password": "s3cret"}, "fullnameOverride": "ll"},
+    "no nats auth, fixed passwords, fullnameOverride": {
+        "nats": {"auth": {"enabled": False}},
+        "postgres": {"password": "s3cret"},
+        "fullnameOverride": "ll",
+    },
+    "training without slurm (local launcher)": {"slurm": {"enabled": False}, "trainer": {"gpus": 1}},
+    "serving only": {"trainer": {"enabled": False}, "checkpointWatcher": {"enabled": False},
+                     "slurm": {"enabled": False}},
 }
 
 # name -> values that must be refused (by the schema or by a template's `required`)
@@ -66,42 +86,104 @@ BAD: dict[str, dict] = {
     "external nats without url": {"nats": {"enabled": False}},
     "external postgres without url": {"postgres": {"enabled": False}},
     "password not url-safe": {"postgres": {"password": "p@ss/word"}},
+    "nats password not url-safe": {"nats": {"auth": {"password": "abcdefghij:b@c"}}},
+    "nats password nats-server would read as a number": {"nats": {"auth": {"password": "123456789012"}}},
+    "api key with a comma": {"gateway": {"apiKeys": {"keys": ["a,b"]}}},
+    "zero compute cpus": {"slurm": {"compute": {"cpus": 0}}},
+    "negative gpus": {"slurm": {"compute": {"gpus": -1}}},
+    "bad jobs size": {"jobs": {"size": "lots"}},
+    "model cache under inference (moved to the top level)": {"inference": {"modelCache": {"enabled": True}}},
 }
 
 
-def render(chart: helm.Chart, values: dict) -> dict[str, str]:
-    chart.validate_schema(values)
-    return chart.render(values=values, name="demo", namespace="loopline", is_install=True)
+class Refused(Exception):
+    """The chart refused these values."""
 
 
-def main() -> int:
-    failures = []
+def merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merge(out[key], value) if both else value
+    return out
+
+
+def render(values: dict) -> dict[str, str]:
+    import helm_python as helm
+
     with helm.Chart.load(str(CHART)) as chart:
-        for name, values in GOOD.items():
-            try:
-                manifests = render(chart, values)
-                objects = []
-                for path, text in sorted(manifests.items()):
-                    if not path.endswith(".yaml"):
-                        continue
-                    for doc in yaml.safe_load_all(text):
-                        if doc:
-                            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
-                            objects.append(f"{doc['kind']}/{doc['metadata']['name']}")
-                print(f"ok   {name}: {len(objects)} objects ({', '.join(sorted(objects))})")
-            except Exception as exc:  # noqa: BLE001 - report every case, then fail
-                failures.append(name)
-                print(f"FAIL {name}: {type(exc).__name__}: {exc}")
-        for name, values in BAD.items():
-            try:
-                render(chart, values)
-            except helm.HelmError as exc:
-                print(f"ok   refused {name}: {str(exc).strip().splitlines()[-1]}")
-            else:
-                failures.append(name)
-                print(f"FAIL {name}: accepted")
-    report = helm.lint(str(CHART), strict=True, kube_version=f"v{KUBERNETES_VERSION}")
-    errors = report["errors"] + [m["error"] for m in report["messages"] if m["severity"] >= 2]
+        try:
+            chart.validate_schema(values)
+            return chart.render(values=values, is_install=True, **RELEASE)
+        except helm.HelmError as exc:
+            raise Refused(str(exc).strip()) from exc
+
+
+def manifests(rendered: dict[str, str]) -> list[dict]:
+    import yaml
+
+    docs = []
+    for path, text in sorted(rendered.items()):
+        if path.endswith(".yaml"):
+            docs.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return docs
+
+
+def validate(docs: list[dict]) -> list[dict]:
+    import kubernetes_validate
+
+    errors = []
+    for doc in docs:
+        name = f"{doc.get('kind')}/{(doc.get('metadata') or {}).get('name')}"
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        except Exception as exc:  # noqa: BLE001 - every kind of refusal is reported
+            errors.append({"object": name, "error": f"{type(exc).__name__}: {exc}"})
+    return errors
+
+
+def lint(values: dict | None = None) -> list[str]:
+    import helm_python as helm
+
+    report = helm.lint(str(CHART), values, strict=True, kube_version=f"v{KUBERNETES_VERSION}")
+    return report["errors"] + [m["error"] for m in report["messages"] if m["severity"] >= 2]
+
+
+def load_values(files: list[str], set_json: list[str]) -> dict:
+    import yaml
+
+    values: dict = {}
+    for file in files:
+        values = merge(values, yaml.safe_load(Path(file).read_text()) or {})
+    for text in set_json:
+        values = merge(values, json.loads(text))
+    return values
+
+
+def run_all() -> int:
+    failures = []
+    for name, values in GOOD.items():
+        try:
+            docs = manifests(render(values))
+            errors = validate(docs)
+        except Refused as exc:
+            errors = [{"object": "values", "error": str(exc)}]
+            docs = []
+        if errors:
+            failures.append(name)
+            for error in errors:
+                print(f"FAIL {name}: {error['object']}: {error['error']}")
+        else:
+            print(f"ok   {name}: {len(docs)} objects")
+    for name, values in BAD.items():
+        try:
+            render(values)
+        except Refused as exc:
+            print(f"ok   refused {name}: {str(exc).splitlines()[-1]}")
+        else:
+            failures.append(name)
+            print(f"FAIL {name}: accepted")
+    errors = lint()
     for error in errors:
         print(f"FAIL lint: {error}")
     if errors:
@@ -112,5 +194,34 @@ def main() -> int:
     return 1 if failures else 0
 
 
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+    for name in ("render", "lint"):
+        cmd = sub.add_parser(name)
+        cmd.add_argument("-f", "--values", action="append", default=[])
+        cmd.add_argument("--set-json", action="append", default=[])
+    sub.add_parser("validate")
+    args = parser.parse_args(argv)
+    if args.command is None:
+        return run_all()
+    if args.command == "validate":
+        json.dump(validate(json.load(sys.stdin)), sys.stdout)
+        return 0
+    values = load_values(args.values, args.set_json)
+    if args.command == "lint":
+        json.dump(lint(values), sys.stdout)
+        return 0
+    try:
+        rendered = render(values)
+    except Refused as exc:
+        print(exc, file=sys.stderr)
+        return 3
+    docs = manifests(rendered)
+    json.dump({"objects": docs, "notes": rendered.get("loopline/templates/NOTES.txt", ""),
+               "errors": validate(docs)}, sys.stdout)
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -80,27 +80,67 @@ The password for the chart's own PostgreSQL Secret: the value given, else the on
 cluster (so upgrades keep it), else a new random one.
 */}}
 {{- define "loopline.postgresPassword" -}}
-{{- if .Values.postgres.password -}}
-{{- .Values.postgres.password -}}
-{{- else -}}
-{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "loopline.postgresSecretName" .) -}}
-{{- if and $existing $existing.data (hasKey $existing.data "password") -}}
-{{- index $existing.data "password" | b64dec -}}
-{{- else -}}
-{{- randAlphaNum 32 -}}
+{{- include "loopline.keptSecret" (dict "root" . "secret" (include "loopline.postgresSecretName" .) "key" "password" "value" .Values.postgres.password "length" 32) -}}
 {{- end -}}
+
+{{/* The Secret that holds the chart's NATS password (key "password"). */}}
+{{- define "loopline.natsSecretName" -}}
+{{- .Values.nats.auth.existingSecret | default (include "loopline.componentName" (dict "root" . "component" "nats")) -}}
+{{- end -}}
+
+{{/*
+A random secret kept across upgrades: the value given, else the one already in the cluster, else a
+new one (`length` characters, starting with `prefix` when given). Usage:
+include "loopline.keptSecret" (dict "root" $ "secret" NAME "key" KEY "value" GIVEN "length" N ["prefix" P])
+*/}}
+{{- define "loopline.keptSecret" -}}
+{{- if .value -}}
+{{- .value -}}
+{{- else -}}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace .secret -}}
+{{- if and $existing $existing.data (hasKey $existing.data .key) -}}
+{{- index $existing.data .key | b64dec -}}
+{{- else -}}
+{{- $prefix := .prefix | default "" -}}
+{{- printf "%s%s" $prefix (randAlphaNum (sub (.length | int) (len $prefix) | int)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+LOOPLINE_NATS_URL, with credentials when NATS wants them: the chart's NATS with auth puts the
+password from its Secret into the URL (Kubernetes expands $(NATS_PASSWORD), defined just before);
+an external NATS takes its URL (credentials and all) from a Secret or from nats.externalUrl.
+*/}}
+{{- define "loopline.natsEnv" -}}
+{{- if and .Values.nats.enabled .Values.nats.auth.enabled -}}
+- name: NATS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "loopline.natsSecretName" . }}
+      key: password
+- name: LOOPLINE_NATS_URL
+  value: {{ printf "nats://%s:$(NATS_PASSWORD)@%s:4222" .Values.nats.auth.user (include "loopline.componentName" (dict "root" . "component" "nats")) | quote }}
+{{- else if and (not .Values.nats.enabled) .Values.nats.externalUrlSecret.name -}}
+- name: LOOPLINE_NATS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.nats.externalUrlSecret.name }}
+      key: {{ .Values.nats.externalUrlSecret.key }}
+{{- else -}}
+- name: LOOPLINE_NATS_URL
+  value: {{ include "loopline.natsUrl" . | quote }}
 {{- end -}}
 {{- end -}}
 
 {{/* Environment shared by every Loopline container. Usage: include "loopline.commonEnv" $ */}}
 {{- define "loopline.commonEnv" -}}
-- name: LOOPLINE_NATS_URL
-  value: {{ include "loopline.natsUrl" . | quote }}
+{{ include "loopline.natsEnv" . }}
 - name: LOOPLINE_LOG_LEVEL
   value: {{ .Values.logLevel | quote }}
 - name: LOOPLINE_STATE_DIR
   value: /var/lib/loopline
-# Each pod names its replica after itself, so logs and /v1/health agree with kubectl.
+# Each pod names its replica after itself, so logs, /v1/health and the readiness probe agree.
 - name: LOOPLINE_REPLICA_ID
   valueFrom:
     fieldRef:
@@ -109,6 +149,84 @@ cluster (so upgrades keep it), else a new random one.
 - name: LOOPLINE_OTLP_ENDPOINT
   value: {{ . | quote }}
 {{- end }}
+{{- end -}}
+
+{{/*
+LOOPLINE_DATABASE_URL for the services that keep SQL (queue, trainer): the chart's PostgreSQL with
+the password from its Secret, or the URL of yours from a Secret.
+*/}}
+{{- define "loopline.databaseEnv" -}}
+{{- if .Values.postgres.enabled -}}
+- name: POSTGRES_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "loopline.postgresSecretName" . }}
+      key: password
+- name: LOOPLINE_DATABASE_URL
+  value: {{ printf "postgresql://%s:$(POSTGRES_PASSWORD)@%s:5432/%s" .Values.postgres.username (include "loopline.componentName" (dict "root" . "component" "postgres")) .Values.postgres.database | quote }}
+{{- else -}}
+- name: LOOPLINE_DATABASE_URL
+  valueFrom:
+    secretKeyRef:
+      {{- if .Values.postgres.externalUrlSecret.name }}
+      name: {{ .Values.postgres.externalUrlSecret.name }}
+      key: {{ .Values.postgres.externalUrlSecret.key }}
+      {{- else }}
+      name: {{ include "loopline.componentName" (dict "root" . "component" "database") }}
+      key: url
+      {{- end }}
+{{- end -}}
+{{- end -}}
+
+{{/* The claim that holds the job directories. */}}
+{{- define "loopline.jobsClaimName" -}}
+{{- .Values.jobs.existingClaim | default (include "loopline.componentName" (dict "root" . "component" "jobs")) -}}
+{{- end -}}
+
+{{/* Whether anything uses the job directories (and so the chart makes their claim). */}}
+{{- define "loopline.training" -}}
+{{- if or .Values.trainer.enabled .Values.checkpointWatcher.enabled .Values.slurm.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* The `models` volume: the shared model cache claim, or an emptyDir of the pod's own. */}}
+{{- define "loopline.modelsVolume" -}}
+- name: models
+  {{- if .Values.modelCache.enabled }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.modelCache.existingClaim | default (include "loopline.componentName" (dict "root" . "component" "models")) }}
+  {{- else }}
+  {{- $emptyDir := dict }}
+  {{- with .Values.modelCache.emptyDirSizeLimit }}{{ $_ := set $emptyDir "sizeLimit" . }}{{ end }}
+  emptyDir: {{ toJson $emptyDir }}
+  {{- end }}
+{{- end -}}
+
+{{/* The Secret that holds the munge key (key "munge.key") shared by every Slurm container. */}}
+{{- define "loopline.mungeSecretName" -}}
+{{- .Values.slurm.munge.existingSecret | default (include "loopline.componentName" (dict "root" . "component" "munge")) -}}
+{{- end -}}
+
+{{/* slurm.conf and the munge key, mounted where deploy/slurm/loopline-slurm looks for them. */}}
+{{- define "loopline.slurmVolumes" -}}
+- name: slurm-conf
+  configMap:
+    name: {{ include "loopline.componentName" (dict "root" . "component" "slurm") }}
+- name: munge-key
+  secret:
+    secretName: {{ include "loopline.mungeSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: munge.key
+        path: munge.key
+{{- end -}}
+
+{{- define "loopline.slurmVolumeMounts" -}}
+- name: slurm-conf
+  mountPath: /etc/slurm
+  readOnly: true
+- name: munge-key
+  mountPath: /etc/munge-key
+  readOnly: true
 {{- end -}}
 
 {{/*

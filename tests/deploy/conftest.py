@@ -1,0 +1,29 @@
+"""Session fixtures for the deployment checks; the helpers are in tests/support/deploy.py."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from support.deploy import CHART_VALUES, COMPOSE_STACKS, ROOT, Tools, compose_config, render_chart
+
+
+@pytest.fixture(scope="session")
+def tools() -> Tools:
+    out = subprocess.run(["bash", str(ROOT / "deploy" / "install-tools.sh")], check=False,
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    if out.returncode != 0:
+        pytest.fail(f"deploy/install-tools.sh failed:\n{out.stderr[-3000:]}")
+    venv = Path(out.stdout.strip().splitlines()[-1])
+    return Tools(venv if venv.is_absolute() else ROOT / venv)
+
+
+@pytest.fixture(scope="session")
+def compose_stacks(tools) -> dict[str, dict]:
+    return {name: compose_config(tools, files) for name, files in COMPOSE_STACKS.items()}
+
+
+@pytest.fixture(scope="session")
+def charts(tools) -> dict[str, dict]:
+    return {name: render_chart(tools, files) for name, files in CHART_VALUES.items()}
