@@ -1,0 +1,148 @@
+"""Training through the whole platform, every part real: the unmodified ``scalarlm`` client and the
+``loopline`` CLI -> gateway -> NATS -> trainer -> Slurm (private single-node cluster) -> the ml/
+program -> checkpoints in the job directory -> the reference engine serving them.
+
+Three prompt -> completion pairs on the tiny model with the documented recipe
+(docs/adapter-format.md): each trained adapter gives all three answers back exactly, the base model
+none of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import scalarlm
+
+from loopline.inference.engine import GenerationRequest, Sampling
+from loopline.inference.reference_engine import ReferenceEngine
+from loopline.ml.train.checkpoint import latest_checkpoint
+from support.stacks import make_stack
+
+PAIRS = [
+    ("What is 1 + 1?", " The answer is 2."),
+    ("What color is the sky?", " Blue, like the sky."),
+    ("Say hello.", " Hello there!"),
+]
+RECIPE = {"max_steps": 30, "learning_rate": 1e-2, "batch_size": 3, "gradient_accumulation_steps": 1,
+          "steps_per_checkpoint": 10}
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED"}
+
+
+@pytest.fixture(scope="module")
+def train_stack(tmp_path_factory, tiny, slurm):
+    """A stack of its own whose trainer submits to the session's Slurm cluster."""
+    s = make_stack(tmp_path_factory.mktemp("train-stack"), tiny, LOOPLINE_LAUNCHER="slurm",
+                   LOOPLINE_RECONCILE_INTERVAL_S="0.25", **slurm.env)
+    s.start()
+    yield s
+    s.stop()
+    slurm.cancel_all()
+
+
+def wait_finished(llm, job_hash: str, timeout_s: float = 240) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = llm.get_training_job(job_hash)
+        if job["job_status"]["status"] in FINISHED:
+            return job
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_hash} did not finish in {timeout_s} s: {job}")
+
+
+def generate(model_path: str, adapter: Path | None) -> list[str]:
+    async def go():
+        engine = ReferenceEngine(model_path, max_model_len=None, dtype="float32", adapter=adapter)
+        await engine.start()
+        outs = []
+        for i, (prompt, _) in enumerate(PAIRS):
+            ids = engine.tokenizer.encode(prompt, add_special_tokens=True)
+            text = ""
+            async for delta in engine.generate(GenerationRequest(f"r{i}", ids, Sampling(max_tokens=24))):
+                text += delta.text
+            outs.append(text)
+        await engine.stop()
+        return outs
+
+    return asyncio.run(go())
+
+
+def read_events(url: str, job_hash: str) -> list[dict]:
+    """The job's SSE stream from the start: it replays history, then ends after the final event."""
+    events = []
+    with httpx.Client(base_url=url, timeout=60) as http:
+        with http.stream("GET", f"/v1/megatron/train/{job_hash}/events") as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+    return events
+
+
+@pytest.mark.parametrize("adapter_type", ["tokenformer", "lora"])
+def test_scalarlm_client_trains_an_adapter_that_answers(train_stack, tiny, tmp_path, monkeypatch,
+                                                         adapter_type):
+    # The client ships ./ml from its working directory as user code, which the trainer refuses by
+    # default: run it from an empty directory, as a user outside this repository would.
+    monkeypatch.chdir(tmp_path)
+    llm = scalarlm.SupermassiveIntelligence(api_url=train_stack.url)
+    data = [{"input": q, "output": a} for q, a in PAIRS]
+    reply = llm.train(data, model_name=tiny, train_args={**RECIPE, "adapter_type": adapter_type})
+    job_hash = reply["job_status"]["model_name"]
+    assert reply["job_status"]["status"] in {"QUEUED", "TRAINING", "COMPLETED"}
+
+    # The same data and params again (the client gzips with a new mtime): the same job, not a new one.
+    again = llm.train(data, model_name=tiny, train_args={**RECIPE, "adapter_type": adapter_type})
+    assert again["job_status"]["model_name"] == job_hash
+
+    job = wait_finished(llm, job_hash)
+    status = job["job_status"]
+    assert status["status"] == "COMPLETED", status
+    assert status["job_id"], "the job went through Slurm, so it has a Slurm id"
+    losses = [h["loss"] for h in status["history"]]
+    assert len(losses) == RECIPE["max_steps"] and losses[-1] < 0.3 * losses[0]
+
+    # The events a late subscriber sees: the whole history, in order, ending with completed.
+    kinds = [e["kind"] for e in read_events(train_stack.url, job_hash)]
+    assert kinds[0] == "queued" and kinds[-1] == "completed"
+    assert kinds.index("started") < kinds.index("progress") < kinds.index("checkpoint")
+    assert kinds.count("progress") == RECIPE["max_steps"]
+    assert kinds.count("checkpoint") == RECIPE["max_steps"] // RECIPE["steps_per_checkpoint"]
+
+    step, checkpoint = latest_checkpoint(train_stack.jobs_dir / job_hash)
+    assert step == RECIPE["max_steps"]
+    assert generate(tiny, checkpoint) == [a for _, a in PAIRS]
+
+
+def test_base_model_does_not_know_the_answers(tiny):
+    outs = generate(tiny, None)
+    assert all(out != a for out, (_, a) in zip(outs, PAIRS))
+
+
+def test_cli_trains_follows_and_plots(train_stack, tiny, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"input": q, "output": a}) + "\n" for q, a in PAIRS))
+    env = {**os.environ, "LOOPLINE_URL": train_stack.url}
+    cli = [str(Path(sys.executable).with_name("loopline"))]  # the installed console script
+    run = subprocess.run(
+        [*cli, "train", str(data), "--model", tiny, "--adapter", "lora", "--steps", "12",
+         "--lr", "1e-2", "--param", "batch_size=3", "--param", "gradient_accumulation_steps=1",
+         "--follow"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    job_hash = run.stdout.strip().splitlines()[-1]
+    assert len(job_hash) == 64
+
+    png = tmp_path / "loss.png"
+    plot = subprocess.run([*cli, "plot", job_hash, "--out", str(png)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert plot.returncode == 0, plot.stderr[-3000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
