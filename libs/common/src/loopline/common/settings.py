@@ -57,6 +57,13 @@ class GatewaySettings(CommonSettings):
     upload_ttl_s: float = 6 * 3600
     # How long a trainer request may take; a submit reads the dataset back and calls sbatch.
     trainer_timeout_s: float = 30.0
+    # Comma-separated; when set, /v1 routes want "Authorization: Bearer <key>" (401 otherwise).
+    # Empty: no keys, as ScalarLM (whose client sends none).
+    api_keys: str = ""
+
+    @property
+    def api_key_set(self) -> frozenset[str]:
+        return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())
 
 
 class QueueSettings(CommonSettings):

@@ -18,6 +18,7 @@ from loopline.gateway import (
     train_streams_api,
     upload_api,
 )
+from loopline.gateway.api_keys import ApiKeys
 from loopline.gateway.body_limit import BodyLimit
 from loopline.gateway.bridge import Bridge
 from loopline.gateway.trainer_bridge import TrainerClient
@@ -65,5 +66,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(upload_api.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                        max_upload_bytes=settings.max_upload_bytes)
+    if settings.api_key_set:
+        # Outside the body limit: an unauthenticated client gets 401 before any body is read.
+        app.add_middleware(ApiKeys, keys=settings.api_key_set)
     app.add_middleware(TraceRequests)
     return app

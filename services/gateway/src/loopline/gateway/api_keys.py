@@ -1,0 +1,42 @@
+"""Optional API keys: with ``LOOPLINE_API_KEYS`` set, every ``/v1`` route but the container health
+probe wants ``Authorization: Bearer <key>`` (what the ``openai`` client sends as its ``api_key``).
+
+Off by default, because the ``scalarlm`` client sends no credentials at all: a deployment that turns
+keys on serves OpenAI-style clients, or puts ScalarLM clients behind a proxy that adds the header.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+# Probed by container health checks, which carry no key.
+OPEN_PATHS = ("/v1/health/keepalive",)
+
+
+class ApiKeys:
+    def __init__(self, app, *, keys: frozenset[str]):
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        # compare_digest on every key: how long a refusal takes says nothing about the keys.
+        if scheme.lower() == b"bearer" and any([hmac.compare_digest(token.strip(), k) for k in self.keys]):
+            return await self.app(scope, receive, send)
+        await self._refuse(scope, send, "missing API key" if not header else "invalid API key")
+
+    async def _refuse(self, scope, send, why: str):
+        message = f"{why}: send 'Authorization: Bearer <key>' with one of this gateway's API keys"
+        openai = scope["path"] in ("/v1/completions", "/v1/chat/completions", "/v1/models")
+        body = {"error": {"message": message, "type": "invalid_api_key", "param": None, "code": 401}} \
+            if openai else {"detail": message}
+        payload = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": payload})
