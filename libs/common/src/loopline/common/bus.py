@@ -147,7 +147,7 @@ async def ensure_topology(js: JetStreamContext, *, max_work_msgs: int = 1_000_00
         js,
         StreamConfig(
             name=subjects.CHECKPOINTS_STREAM,
-            subjects=["checkpoints.>"],
+            subjects=[subjects.CHECKPOINTS_ALL],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             max_msgs_per_subject=1,

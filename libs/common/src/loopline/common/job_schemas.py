@@ -131,3 +131,51 @@ class ClusterInfo(BaseModel):
     gpu_count: int
     node_count: int
     launcher: str  # "slurm" or "local"
+
+
+class CheckpointAnnounce(BaseModel):
+    """One message on ``checkpoints.<base>.<hash>`` (stream CHECKPOINTS, the last one per subject
+    kept): a job's newest checkpoint, stored in the ``adapters`` object store. Published by the
+    checkpoint-watcher with Nats-Msg-Id ``f"{job_hash}:{step}:{sha256[:16]}"``.
+
+    The object is an uncompressed tar of ``adapter_config.json`` and ``adapter_model.safetensors``
+    (docs/adapter-format.md), members sorted and timestamps zeroed, so the same checkpoint always
+    gives the same bytes and hash.
+    """
+
+    job_hash: str
+    step: int
+    sha256: str  # hex digest of the stored object
+    size: int  # bytes of the stored object
+    created_at: float  # when the checkpoint was written (its folder's mtime), Unix seconds
+    announced_at: float  # when the watcher published this (created_at -> announced_at: its latency)
+    # "tokenformer" or "lora"; "none" is a full-weights checkpoint (stored, marked: inference decides).
+    adapter_type: str
+    base_model: str  # the served model the job adapts (its params' llm_name); <base> in the subject
+    object_name: str  # in the adapters bucket: f"{job_hash}/{step}"
+    adapter_config: dict[str, Any]  # adapter_config.json as the checkpoint holds it
+
+
+class AdapterEvent(BaseModel):
+    """One message on ``events.adapters.<hash>.<kind>`` (kinds: subjects.ADAPTER_EVENT_KINDS).
+
+    ``rejected``: the checkpoint-watcher found the checkpoint corrupt (truncated or malformed
+    safetensors, bad config, too large); it is never announced or served. An inference replica
+    sends it too (``replica`` set) for an announced checkpoint its engine cannot serve (a full
+    fine-tune on vLLM, a Tokenformer without the plugin). ``loaded``: a replica serves this step.
+    """
+
+    job_hash: str
+    kind: str
+    step: int | None = None
+    time: float = Field(default_factory=time.time)
+    reason: str | None = None  # why it was rejected
+    path: str | None = None  # the checkpoint folder
+    # Set by the inference replica that loaded (or could not load) the checkpoint. ``latency_s``:
+    # checkpoint written (the announce's created_at) -> servable on that replica; ``load_s``: the
+    # replica's own part (download, unpack, load into the engine).
+    replica: str | None = None
+    base_model: str | None = None
+    adapter_type: str | None = None
+    latency_s: float | None = None
+    load_s: float | None = None

@@ -23,6 +23,7 @@ SERVICE_MODULES = {
     "queue": "loopline.queue",
     "inference": "loopline.inference",
     "trainer": "loopline.trainer",
+    "checkpoint-watcher": "loopline.checkpoint_watcher",
 }
 
 

@@ -133,6 +133,24 @@ class TrainerSettings(CommonSettings):
         return self.database_url or f"sqlite:///{(self.state_dir / 'loopline.db').resolve()}"
 
 
+class CheckpointWatcherSettings(CommonSettings):
+    # The trainer's job directories (same variable and default as TrainerSettings.jobs_dir).
+    jobs_path: Path | None = Field(default=None, validation_alias="LOOPLINE_JOBS_DIR")
+    # New checkpoints are noticed through inotify within ~10 ms. Every job is also compared with
+    # the cursor this often: the safety net for events inotify cannot see (a volume written by
+    # another node over NFS, a full inotify queue). Where inotify never fires, this is the latency.
+    rescan_interval_s: float = Field(default=2.0, gt=0)
+    # Off: no inotify at all, only the rescan (set a short interval then, e.g. 0.1).
+    inotify: bool = True
+    # A checkpoint whose adapter file is larger than this is rejected (full-weight checkpoints of
+    # a large model do not belong in the message bus).
+    max_adapter_bytes: int = Field(default=2 * 1024**3, gt=0)
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.jobs_path or self.state_dir / "jobs"
+
+
 class StackSettings(CommonSettings):
     """The embedded default started by ``make up``."""
 

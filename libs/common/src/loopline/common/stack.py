@@ -1,4 +1,5 @@
-"""The platform on one machine: nats-server, queue, trainer, inference replicas and gateway as processes.
+"""The platform on one machine: nats-server, queue, trainer, checkpoint-watcher, inference replicas and
+gateway as processes.
 
 ``make up``, the end-to-end tests and the benchmarks all start Loopline through this class, so they
 exercise the same start-up path users run.
@@ -29,6 +30,7 @@ class LocalStack:
         self.nats: launcher.Proc | None = None
         self.queue: launcher.Proc | None = None
         self.trainer: launcher.Proc | None = None
+        self.checkpoint_watcher: launcher.Proc | None = None
         self.gateway: launcher.Proc | None = None
         self.inference: dict[str, launcher.Proc] = {}
 
@@ -76,6 +78,9 @@ class LocalStack:
             self.start_nats()
             self.queue = launcher.start_service("queue", self.env(), self.logs / "queue.log")
             self.trainer = launcher.start_service("trainer", self.env(), self.logs / "trainer.log")
+            # Publishes the checkpoints the trainer's jobs write (same LOOPLINE_JOBS_DIR).
+            self.checkpoint_watcher = launcher.start_service("checkpoint-watcher", self.env(),
+                                                             self.logs / "checkpoint-watcher.log")
             for i in range(self.replicas):
                 self.start_replica(f"r{i}")
             self.gateway = launcher.start_service("gateway", self.env(), self.logs / "gateway.log")
@@ -101,15 +106,16 @@ class LocalStack:
         return proc
 
     def procs(self) -> list[launcher.Proc]:
-        return [p for p in (self.nats, self.queue, self.trainer, *self.inference.values(), self.gateway)
-                if p is not None]
+        return [p for p in (self.nats, self.queue, self.trainer, self.checkpoint_watcher,
+                            *self.inference.values(), self.gateway) if p is not None]
 
     def dead(self) -> list[launcher.Proc]:
         return [p for p in self.procs() if not p.alive()]
 
     def stop(self) -> None:
         """Stop the services first (they drain), NATS last."""
-        for proc in (self.gateway, *self.inference.values(), self.trainer, self.queue, self.nats):
+        for proc in (self.gateway, *self.inference.values(), self.checkpoint_watcher, self.trainer,
+                     self.queue, self.nats):
             if proc is not None:
                 launcher.stop(proc)
 

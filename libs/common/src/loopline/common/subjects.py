@@ -30,6 +30,8 @@ ADAPTERS_BUCKET = "adapters"
 MODELS_BUCKET = "MODELS"
 # batch group id -> BatchManifest (written by the gateway before it publishes the batch's work)
 BATCHES_BUCKET = "BATCHES"
+# job hash -> the checkpoint-watcher's cursor for that job (what it announced, rejected, skipped)
+CHECKPOINT_CURSOR_BUCKET = "CHECKPOINT_CURSOR"
 
 # --- durable consumers ---------------------------------------------------------------------------
 LEDGER_WORK_DURABLE = "ledger-work"
@@ -85,6 +87,30 @@ def job_events(job_hash: str) -> str:
     return f"events.jobs.{job_hash}.*"
 
 
+ADAPTER_EVENTS_ALL = "events.adapters.>"
+ADAPTER_EVENT_KINDS = ("rejected", "loaded")
+
+
+def adapter_event(job_hash: str, kind: str) -> str:
+    """``events.adapters.<hash>.<kind>``: a checkpoint rejected by the watcher, loaded by a replica."""
+    return f"events.adapters.{job_hash}.{kind}"
+
+
+# --- checkpoints ----------------------------------------------------------------------------------
+CHECKPOINTS_ALL = "checkpoints.>"
+
+
+def checkpoint_subject(base: str, job_hash: str) -> str:
+    """``checkpoints.<base>.<hash>``: the latest checkpoint of a job that adapts the model ``base``
+    (its served name, the job's ``llm_name``); the stream keeps the last message per subject."""
+    return f"checkpoints.{deployment_key(base)}.{job_hash}"
+
+
+def checkpoints_of_base(base: str) -> str:
+    """What an inference replica serving ``base`` subscribes to (deliver last per subject)."""
+    return f"checkpoints.{deployment_key(base)}.*"
+
+
 # --- JetStream advisories ------------------------------------------------------------------------
 def max_deliveries_advisory(stream: str = WORK_STREAM, consumer: str = "*") -> str:
     return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}"
@@ -112,6 +138,7 @@ SVC_TRAINER_LOGS = "svc.trainer.logs"          # LogsRequest -> LogLines
 SVC_TRAINER_SQUEUE = "svc.trainer.squeue"      # {} -> SqueueReply
 SVC_TRAINER_CLUSTER = "svc.trainer.cluster"    # {} -> ClusterInfo
 SVC_TRAINER_STATUS = "svc.trainer.status"      # {} -> ServiceStatus
+SVC_CHECKPOINT_WATCHER_STATUS = "svc.checkpoint_watcher.status"  # {} -> ServiceStatus
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 

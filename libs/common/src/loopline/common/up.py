@@ -1,9 +1,10 @@
 """``python -m loopline.common.up`` (``make up``): the whole platform on this machine.
 
-Starts a local nats-server with JetStream, the queue and trainer services, the inference replicas and
-the gateway, each as its own process, waits until the gateway serves, prints the URL, and on Ctrl-C
-(or SIGTERM) stops everything it started. Training jobs go to Slurm when its controller answers, else
-to a local process per job; their directories are under ``<state dir>/jobs``.
+Starts a local nats-server with JetStream, the queue, trainer and checkpoint-watcher services, the
+inference replicas and the gateway, each as its own process, waits until the gateway serves, prints
+the URL, and on Ctrl-C (or SIGTERM) stops everything it started. Training jobs go to Slurm when its
+controller answers, else to a local process per job; their directories are under
+``<state dir>/jobs``, where the checkpoint-watcher picks up their checkpoints.
 """
 
 from __future__ import annotations

@@ -1,0 +1,95 @@
+"""What is on disk: job directories, their complete checkpoints, and what each job adapts.
+
+    <jobs_dir>/<job_hash>/config.json                 {"job_hash", "model_path", "params": {"llm_name"}}
+    <jobs_dir>/<job_hash>/checkpoints/step-%08d/      complete: the training program renames it in
+    <jobs_dir>/<job_hash>/checkpoints/.tmp-step-…/    being written: never looked at
+
+Names starting with "." are someone's work in progress (the trainer's .staging-*, the local
+launcher's .local-runs, the training program's .tmp-* and .old-*). Blocking calls: run them in a
+thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+CHECKPOINTS = "checkpoints"
+CONFIG = "config.json"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+# The job hash becomes a subject token and a KV key: letters, digits, "-" and "_" only.
+_JOB_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+@dataclass(frozen=True)
+class StepDir:
+    step: int
+    path: Path
+    # Inode and mtime of the folder: a step written again (a resumed run replaces it whole) is a
+    # new folder, so a new fingerprint; the same folder seen after a restart has the same one.
+    fingerprint: str
+    created_at: float  # the folder's mtime: when its last file was written, just before the rename
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    # Inode of the job directory and mtime of its config.json: a job deleted and submitted again
+    # (same hash) is a new directory and starts over from step 0.
+    identity: str
+    base_model: str  # the served model name the job adapts: <base> of checkpoints.<base>.<hash>
+
+
+def job_names(jobs_dir: Path) -> list[str]:
+    try:
+        entries = list(os.scandir(jobs_dir))
+    except FileNotFoundError:
+        return []
+    return sorted(e.name for e in entries if is_job_name(e.name) and e.is_dir(follow_symlinks=False))
+
+
+def is_job_name(name: str) -> bool:
+    return bool(_JOB_NAME.match(name))
+
+
+def step_dirs(job_dir: Path) -> list[StepDir]:
+    """The job's complete checkpoints, oldest first (by step number); none when the job is gone."""
+    found = []
+    try:
+        entries = list(os.scandir(job_dir / CHECKPOINTS))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for entry in entries:
+        m = _STEP_DIR.match(entry.name)
+        if not m:
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # rotated away while we listed
+        if entry.is_dir(follow_symlinks=False):
+            found.append(StepDir(int(m.group(1)), Path(entry.path), f"{st.st_ino}-{st.st_mtime_ns}",
+                                 st.st_mtime))
+    return sorted(found, key=lambda s: s.step)
+
+
+def job_info(job_dir: Path) -> JobInfo | None:
+    """None when config.json is missing or unreadable: not a job of ours, or one being deleted."""
+    try:
+        dir_ino = job_dir.stat().st_ino
+        with open(job_dir / CONFIG, "rb") as f:
+            config_mtime = os.fstat(f.fileno()).st_mtime_ns
+            config = json.loads(f.read(1024 * 1024))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    params = config.get("params") if isinstance(config.get("params"), dict) else {}
+    # llm_name is the name the model is served under (the inference replicas' deployment key);
+    # model_path is only where it lies on disk, the fallback for a job written by hand.
+    base = params.get("llm_name") or config.get("model_path")
+    if not isinstance(base, str) or not base:
+        return None
+    return JobInfo(identity=f"{dir_ino}-{config_mtime}", base_model=base)

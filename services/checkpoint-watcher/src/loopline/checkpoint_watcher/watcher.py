@@ -1,0 +1,104 @@
+"""One job brought up to date: its new checkpoint folders announced, rejected or skipped.
+
+Only a job's newest servable checkpoint is announced: CHECKPOINTS keeps one message per job, and a
+replica only ever loads the latest, so when several appeared at once (the watcher was down, or a
+rescan found them) the older ones are skipped, and a step older than the one announced is never
+announced (that would move the job backwards). A corrupt newest one is rejected and the next
+newest is tried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from nats.js import JetStreamContext
+from nats.js.object_store import ObjectStore
+
+from loopline.checkpoint_watcher import pack, publish, scan
+from loopline.checkpoint_watcher.cursor import Cursors, JobCursor
+from loopline.checkpoint_watcher.validate import Rejected
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointWatcher:
+    def __init__(self, jobs_dir: Path, max_adapter_bytes: int, js: JetStreamContext, obs: ObjectStore,
+                 cursors: Cursors):
+        self.jobs_dir = jobs_dir
+        self.max_adapter_bytes = max_adapter_bytes
+        self.js = js
+        self.obs = obs
+        self.cursors = cursors
+        self.counts = {"announced": 0, "rejected": 0, "skipped": 0}
+        self.last_announced: dict | None = None
+        self._no_config: set[str] = set()  # jobs already warned about
+
+    async def handle_job(self, job_hash: str) -> None:
+        job_dir = self.jobs_dir / job_hash
+        on_disk = await asyncio.to_thread(scan.step_dirs, job_dir)
+        cursor = await self.cursors.get(job_hash)
+        new = [s for s in on_disk if cursor.seen.get(s.step) != s.fingerprint]
+        if not new:
+            return
+        job = await asyncio.to_thread(scan.job_info, job_dir)
+        if job is None:
+            if job_hash not in self._no_config:
+                log.warning("job %s: no readable config.json naming its model; its checkpoints wait",
+                            job_hash)
+                self._no_config.add(job_hash)
+            return
+        self._no_config.discard(job_hash)
+        if cursor.identity != job.identity:
+            # A new directory under this hash (deleted and submitted again): its steps start over.
+            cursor, new = JobCursor(identity=job.identity), on_disk
+
+        newest_first = sorted(new, key=lambda s: s.step, reverse=True)
+        for i, step_dir in enumerate(newest_first):
+            if step_dir.step < cursor.step:
+                self._skip(cursor, step_dir)
+                continue
+            try:
+                packed = await asyncio.to_thread(pack.pack, step_dir.path, step_dir.step,
+                                                 self.max_adapter_bytes)
+            except pack.Vanished:
+                continue  # rotated away while we read it; a newer one exists
+            except Rejected as exc:
+                log.warning("job %s step %d rejected: %s", job_hash, step_dir.step, exc)
+                await publish.reject(self.js, job_hash, step_dir, str(exc))
+                cursor.seen[step_dir.step] = step_dir.fingerprint
+                self.counts["rejected"] += 1
+                continue
+            try:
+                # The same step rewritten with the same bytes (a resumed run) is already served.
+                if (step_dir.step, packed.sha256) != (cursor.step, cursor.sha256):
+                    message = await publish.announce(self.js, self.obs, job_hash, job.base_model,
+                                                     step_dir, packed)
+                    if message is not None:
+                        self._announced(message)
+            finally:
+                packed.data.close()
+            cursor.step, cursor.sha256 = step_dir.step, packed.sha256
+            cursor.seen[step_dir.step] = step_dir.fingerprint
+            for older in newest_first[i + 1:]:
+                self._skip(cursor, older)
+            break
+
+        steps = {s.step for s in on_disk}
+        cursor.seen = {step: fp for step, fp in cursor.seen.items() if step in steps}
+        await self.cursors.save(job_hash, cursor)
+
+    def _skip(self, cursor: JobCursor, step_dir: scan.StepDir) -> None:
+        cursor.seen[step_dir.step] = step_dir.fingerprint
+        self.counts["skipped"] += 1
+
+    def _announced(self, message) -> None:
+        latency = message.announced_at - message.created_at
+        log.info("job %s step %d announced (%s, %d bytes, %.0f ms after it was written)",
+                 message.job_hash, message.step, message.adapter_type, message.size, latency * 1000)
+        self.counts["announced"] += 1
+        self.last_announced = {"job_hash": message.job_hash, "step": message.step,
+                               "sha256": message.sha256, "latency_s": round(latency, 4),
+                               "at": time.time()}
