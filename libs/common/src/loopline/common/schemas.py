@@ -32,6 +32,9 @@ class WorkItem(BaseModel):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     sampling: SamplingParams
+    # A job hash: generate with that job's newest adapter on the deployment's base model. The
+    # gateway resolves ``model`` (a job hash or ``latest``) to it; ``model`` keeps the name asked for.
+    adapter: str | None = None
     # When set, inference also publishes token deltas on ``stream.<request_id>`` (core NATS).
     stream: bool = False
     submitted_at: float = Field(default_factory=time.time)

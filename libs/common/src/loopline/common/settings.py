@@ -93,6 +93,14 @@ class InferenceSettings(CommonSettings):
     # JetStream redelivers a request whose replica has not acked it within this window.
     ack_wait_s: float = 30.0
     max_deliver: int = 5
+    # Run-time adapters (checkpoints announced on CHECKPOINTS): off serves the base model only.
+    adapters: bool = True
+    # LRU bound: jobs whose adapter stays loaded at once (a version still finishing requests after
+    # its job moved on is extra, briefly). An evicted job reloads at its next request.
+    max_adapters: int = Field(default=8, ge=1)
+    # The largest adapter rank vLLM serves (LoRA's r, a Tokenformer's num_tokens); it sizes the
+    # buffers vLLM sets aside per adapter slot.
+    max_adapter_rank: int = Field(default=64, ge=1)
 
     @property
     def name(self) -> str:

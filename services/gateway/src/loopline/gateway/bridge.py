@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from loopline.common import bus, subjects
+from loopline.common.job_schemas import JobInfo, JobRef
 from loopline.common.schemas import BatchManifest, DeploymentInfo, QueueState, ResultItem, WorkItem
 from loopline.common.settings import GatewaySettings
+from loopline.gateway.adapters import AdapterRegistry
 from loopline.gateway.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -29,6 +33,26 @@ MODELS_REFRESH_S = 2.0
 QUEUE_STATE_STALE_S = 5.0
 # While waiting, results we may have missed (a NATS reconnect drops core messages) are looked up.
 RECHECK_S = 1.0
+# What the trainer names jobs by; such a name that is no served model may be a job not deployed yet.
+_JOB_HASH = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a request's ``model`` goes: a deployment, and on it the base model or a job's adapter."""
+
+    info: DeploymentInfo
+    model: str  # the name the client used (a job hash for an adapter; ``latest`` resolved)
+    adapter: str | None = None  # the job hash whose newest adapter generates
+    step: int | None = None  # the adapter's newest step some replica loaded
+
+    @property
+    def deployment(self) -> str:
+        return self.info.deployment
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
 
 
 class Bridge:
@@ -50,10 +74,14 @@ class Bridge:
         await self.nc.subscribe(subjects.QUEUE_STATE, cb=self._on_queue_state)
         await self.refresh_models()
         self._tasks.append(asyncio.create_task(self._refresh_models_forever()))
+        self.adapters = AdapterRegistry(self.js)
+        await self.adapters.start()
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if getattr(self, "adapters", None) is not None:
+            await self.adapters.stop()
         if self.nc is not None:
             await self.nc.drain()
 
@@ -81,18 +109,47 @@ class Bridge:
             except Exception as exc:  # noqa: BLE001 - NATS down: keep the last known registry
                 log.debug("model refresh failed: %s", exc)
 
-    async def resolve(self, name: str | None) -> DeploymentInfo:
-        """A served model by name; ``None`` means the default model."""
+    async def resolve(self, name: str | None) -> Route:
+        """Where ``model`` goes: a served model by name (``None``: the default model), a job hash
+        (its newest loaded adapter on the job's base model) or ``latest`` (the job loaded last)."""
         name = name or self.settings.model
         if name not in self.models:
             await self.refresh_models()
         if name in self.models:
-            return self.models[name]
+            return Route(self.models[name], name)
         if name == self.settings.model and len(self.models) == 1:
-            return next(iter(self.models.values()))
+            return Route(next(iter(self.models.values())), name)
+        if name == "latest":
+            served = self.adapters.latest(set(self.models))
+        else:
+            served = await self.adapters.find(name)
+        if served is not None and served.base_model in self.models:
+            return Route(self.models[served.base_model], served.job_hash, served.job_hash, served.step)
+        raise ApiError(404, await self._not_served(name, served), param="model", type="model_not_found")
+
+    async def _not_served(self, name: str, served) -> str:
+        """Why ``name`` is not servable, as precisely as we can tell (this is the error path)."""
+        if served is not None:
+            return f"job {name} adapts {served.base_model!r}, which no inference replica serves now"
+        if name == "latest":
+            return "no training job has a deployed adapter yet"
         known = ", ".join(sorted(self.models)) or "none yet"
-        raise ApiError(404, f"model {name!r} not found; served models: {known}", param="model",
-                       type="model_not_found")
+        if name in self.adapters.rejected:
+            return f"job {name} is not deployed: {self.adapters.rejected[name]}"
+        if _JOB_HASH.match(name):
+            job = await self._job(name)
+            if job is not None:
+                return (f"job {name} is not deployed yet ({job.status.value}, step {job.step} of "
+                        f"{job.max_steps}): it is served once a replica has loaded a checkpoint of it")
+        return f"model {name!r} not found; served models: {known}"
+
+    async def _job(self, job_hash: str) -> JobInfo | None:
+        try:
+            ref = JobRef(job=job_hash).model_dump_json().encode()
+            msg = await self.nc.request(subjects.SVC_TRAINER_GET, ref, timeout=2.0)
+            return JobInfo.model_validate_json(msg.data)
+        except Exception:  # noqa: BLE001 - unknown job (an error reply), trainer down: not a job we know
+            return None
 
     # --- admission --------------------------------------------------------------------------------
     async def _on_queue_state(self, msg: Msg) -> None:

@@ -26,13 +26,23 @@ KEEPALIVE_S = 15.0
 
 @router.get("/models")
 async def list_models(request: Request):
+    """The served models, then the deployed adapters (as vLLM lists LoRA modules: ``parent`` is
+    the base model, and the id is what to put in ``model``: the job hash)."""
     bridge: Bridge = request.app.state.bridge
     await bridge.refresh_models()
-    return {"object": "list", "data": [
+    data = [
         {"id": info.model, "object": "model", "created": int(info.created_at), "owned_by": "loopline",
-         "max_model_len": info.max_model_len, "engine": info.engine}
+         "root": info.model, "parent": None, "max_model_len": info.max_model_len, "engine": info.engine}
         for info in bridge.models.values()
-    ]}
+    ]
+    for adapter in sorted(bridge.adapters.served.values(), key=lambda a: a.first_loaded_at):
+        base = bridge.models.get(adapter.base_model)
+        if base is not None:
+            data.append({"id": adapter.job_hash, "object": "model", "created": int(adapter.first_loaded_at),
+                         "owned_by": "loopline", "root": adapter.job_hash, "parent": base.model,
+                         "max_model_len": base.max_model_len, "engine": base.engine,
+                         "adapter_type": adapter.adapter_type, "step": adapter.step})
+    return {"object": "list", "data": data}
 
 
 @router.post("/completions")

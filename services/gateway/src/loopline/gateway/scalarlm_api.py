@@ -110,8 +110,12 @@ async def generate(body: GenerateRequest, request: Request):
     deployment = await bridge.resolve(body.model)
     max_tokens = body.max_tokens or settings.default_max_tokens
     sampling = SamplingParams(max_tokens=max_tokens, temperature=body.temperature)
-    group = content_group({"prompts": body.prompts, "model": deployment.model,
-                           "max_tokens": max_tokens, "temperature": body.temperature})
+    key = {"prompts": body.prompts, "model": deployment.model, "max_tokens": max_tokens,
+           "temperature": body.temperature}
+    if deployment.adapter is not None:
+        # Batches are content-addressed; the same prompts after further training are a new batch.
+        key["adapter_step"] = deployment.step
+    group = content_group(key)
     # Listen before publishing, so a fast answer cannot slip past between the two.
     waiter = await bridge.results(group)
     try:
@@ -168,7 +172,7 @@ async def upload(file: UploadFile, request: Request):
     manifest = BatchManifest(group=group, total=len(entries), model=plans[0][0].model, kind="upload")
     for n, (deployment, max_tokens, members) in enumerate(plans):
         items = [WorkItem(request_id=request_id(group, i), group=group, index=i, model=deployment.model,
-                          prompt=p.text, messages=p.messages,
+                          prompt=p.text, messages=p.messages, adapter=deployment.adapter,
                           sampling=SamplingParams(max_tokens=max_tokens))
                  for i, p in members]
         # The manifest goes last: a batch is "known" only once all its work is durable.

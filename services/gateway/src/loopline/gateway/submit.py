@@ -8,8 +8,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from loopline.common.schemas import BatchManifest, DeploymentInfo, SamplingParams, WorkItem
-from loopline.gateway.bridge import Bridge
+from loopline.common.schemas import BatchManifest, SamplingParams, WorkItem
+from loopline.gateway.bridge import Bridge, Route
 from loopline.gateway.errors import ApiError
 
 
@@ -43,7 +43,7 @@ def fresh_group() -> str:
     return uuid.uuid4().hex
 
 
-def check_max_tokens(deployment: DeploymentInfo, max_tokens: int) -> None:
+def check_max_tokens(deployment: Route, max_tokens: int) -> None:
     if max_tokens > deployment.max_model_len:
         raise ApiError(
             400,
@@ -53,7 +53,7 @@ def check_max_tokens(deployment: DeploymentInfo, max_tokens: int) -> None:
         )
 
 
-async def submit_prompts(bridge: Bridge, deployment: DeploymentInfo, group: str, prompts: list[Prompt],
+async def submit_prompts(bridge: Bridge, deployment: Route, group: str, prompts: list[Prompt],
                          sampling: SamplingParams, *, kind: str, stream: bool = False,
                          skip_if_known: bool = False) -> tuple[list[str], bool]:
     """Publish one work item per prompt. Returns their request ids in prompt order, and whether
@@ -65,7 +65,7 @@ async def submit_prompts(bridge: Bridge, deployment: DeploymentInfo, group: str,
     bridge.admit(deployment.deployment, len(prompts))
     items = [
         WorkItem(request_id=rid, group=group, index=i, model=deployment.model, prompt=p.text,
-                 messages=p.messages, sampling=sampling, stream=stream)
+                 messages=p.messages, sampling=sampling, stream=stream, adapter=deployment.adapter)
         for i, (rid, p) in enumerate(zip(ids, prompts))
     ]
     # OpenAI requests are answered on the connection that made them, so they need no manifest;

@@ -48,8 +48,8 @@ async def get_training_job(job: str, request: Request):
 @router.get("/list_models", response_model=ModelList)
 async def list_models(request: Request):
     jobs = await trainer_of(request).list()
-    served = request.app.state.bridge.models
-    return ModelList(models=[model_entry(info, info.job_hash in served) for info in jobs.jobs])
+    adapters = request.app.state.bridge.adapters
+    return ModelList(models=[model_entry(info, adapters.deployed(info.job_hash)) for info in jobs.jobs])
 
 
 @router.post("/cancel/{job}", response_model=TrainResponse)

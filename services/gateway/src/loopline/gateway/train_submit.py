@@ -35,7 +35,8 @@ def trainer_of(request: Request) -> TrainerClient:
 
 def respond(request: Request, info: JobInfo) -> TrainResponse:
     # Deployed once an inference replica serves the job hash as a model (MODELS bucket).
-    return train_response(info, deployed=info.job_hash in request.app.state.bridge.models)
+    # Deployed: some inference replica has loaded a checkpoint of the job (gateway/adapters.py).
+    return train_response(info, deployed=request.app.state.bridge.adapters.deployed(info.job_hash))
 
 
 def parse_params(raw: str | bytes | dict | None) -> dict[str, Any]:

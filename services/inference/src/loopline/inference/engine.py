@@ -10,6 +10,8 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ class GenerationRequest:
     sampling: Sampling
     # False when nobody watches the tokens arrive: an engine may then yield only the final delta.
     stream: bool = True
+    # What ``Engine.load_adapter`` returned for the adapter version to generate with; None: base.
+    adapter: Any = None
 
 
 @dataclass
@@ -47,6 +51,10 @@ class EngineInfo:
     name: str
     max_model_len: int
     extra: dict = field(default_factory=dict)
+
+
+class AdapterRejected(Exception):
+    """This engine cannot serve this checkpoint, whatever we retry (the message says why)."""
 
 
 class Engine(abc.ABC):
@@ -68,6 +76,15 @@ class Engine(abc.ABC):
     async def stop(self) -> None:
         """Release the model."""
 
+    async def load_adapter(self, name: str, checkpoint_dir: Path, config: dict[str, Any]) -> Any:
+        """Load one checkpoint (docs/adapter-format.md) as a new adapter version and return the
+        handle requests name it by (``GenerationRequest.adapter``). ``name`` is unique per version.
+        The version must be servable when this returns. Raises ``AdapterRejected``."""
+        raise AdapterRejected(f"the {self.info.name} engine does not load adapters")
+
+    async def unload_adapter(self, handle: Any) -> None:
+        """Free a version no request uses any more."""
+
 
 def vllm_available() -> bool:
     try:
@@ -78,14 +95,16 @@ def vllm_available() -> bool:
 
 
 def make_engine(kind: str, model_path: str, *, max_model_len: int | None, max_inflight: int,
-                dtype: str) -> Engine:
+                dtype: str, adapters: bool = False, max_adapters: int = 4,
+                max_adapter_rank: int = 64) -> Engine:
     """``auto`` picks vLLM where it imports and the transformers reference engine elsewhere."""
     if kind == "auto":
         kind = "vllm" if vllm_available() else "reference"
     if kind == "vllm":
         from loopline.inference.vllm_engine import VllmEngine
 
-        return VllmEngine(model_path, max_model_len=max_model_len, max_num_seqs=max_inflight, dtype=dtype)
+        return VllmEngine(model_path, max_model_len=max_model_len, max_num_seqs=max_inflight, dtype=dtype,
+                          enable_lora=adapters, max_loras=max_adapters, max_lora_rank=max_adapter_rank)
     from loopline.inference.reference_engine import ReferenceEngine
 
     return ReferenceEngine(model_path, max_model_len=max_model_len, dtype=dtype)

@@ -8,11 +8,20 @@ Its decode loop is written out (KV cache, sampling, stop strings) rather than ca
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
-from loopline.inference.engine import Delta, Engine, EngineInfo, GenerationRequest, Sampling
+from loopline.inference.engine import (
+    AdapterRejected,
+    Delta,
+    Engine,
+    EngineInfo,
+    GenerationRequest,
+    Sampling,
+)
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -84,6 +93,8 @@ class ReferenceEngine(Engine):
     def _decode(self, request: GenerationRequest, choice: int, emit) -> None:
         import torch
 
+        # An adapter version is a whole adapted copy of the model (load_adapter).
+        model = self.model if request.adapter is None else request.adapter
         s: Sampling = request.sampling
         generator = torch.Generator()
         if s.seed is not None:
@@ -98,7 +109,7 @@ class ReferenceEngine(Engine):
                 if request.request_id in self._aborted:
                     finish = "abort"
                     break
-                out = self.model(input_ids=inputs, past_key_values=past, use_cache=True)
+                out = model(input_ids=inputs, past_key_values=past, use_cache=True)
                 past = out.past_key_values
                 token = self._sample(out.logits[0, -1].float(), s, generator)
                 if token in self.eos_ids:
@@ -140,6 +151,23 @@ class ReferenceEngine(Engine):
 
     async def abort(self, request_id: str) -> None:
         self._aborted.add(request_id)
+
+    async def load_adapter(self, name: str, checkpoint_dir: Path, config: dict[str, Any]) -> Any:
+        """A copy of the base model with the checkpoint applied: any kind, full weights included.
+        Simple rather than lean (a version costs a model's memory): this engine is the yardstick
+        and the fallback, and the replica's LRU bound caps how many copies live at once."""
+        from loopline.ml.adapters import apply_adapter
+
+        def load():
+            return apply_adapter(copy.deepcopy(self.model), checkpoint_dir)
+
+        try:
+            return await asyncio.to_thread(load)
+        except (ValueError, KeyError) as exc:  # tensors or config that do not fit this model
+            raise AdapterRejected(f"the checkpoint does not fit {self.model_path}: {exc}") from exc
+
+    async def unload_adapter(self, handle: Any) -> None:
+        pass  # the copy is freed with the last reference to it
 
     async def stop(self) -> None:
         self.model = None

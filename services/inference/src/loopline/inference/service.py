@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import socket
 from pathlib import Path
@@ -15,6 +16,7 @@ from loopline.common import bus, subjects
 from loopline.common.schemas import DeploymentInfo, ServiceStatus
 from loopline.common.settings import InferenceSettings
 from loopline.common.telemetry import setup_tracing
+from loopline.inference.adapters import AdapterManager
 from loopline.inference.engine import make_engine
 from loopline.inference.prompts import PromptBuilder
 from loopline.inference.worker import Worker
@@ -35,7 +37,9 @@ async def main(settings: InferenceSettings) -> None:
     replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
     model_path = await asyncio.to_thread(resolve_model_path, settings)
     engine = make_engine(settings.engine, model_path, max_model_len=settings.max_model_len,
-                         max_inflight=settings.max_inflight, dtype=settings.dtype)
+                         max_inflight=settings.max_inflight, dtype=settings.dtype,
+                         adapters=settings.adapters, max_adapters=settings.max_adapters,
+                         max_adapter_rank=settings.max_adapter_rank)
     log.info("loading %s from %s", settings.name, model_path)
     await engine.start()
     from transformers import AutoTokenizer
@@ -56,14 +60,22 @@ async def main(settings: InferenceSettings) -> None:
     kv = await js.key_value(subjects.MODELS_BUCKET)
     await kv.put(deployment, info.model_dump_json().encode())
 
+    adapters = None
+    if settings.adapters:
+        # Before the worker pulls work: a request naming a job finds the catch-up under way.
+        folder = settings.state_dir / "adapters" / re.sub(r"[^A-Za-z0-9_.-]", "-", replica)
+        adapters = AdapterManager(js, engine, base_model=settings.name, replica=replica,
+                                  root=folder.resolve(), max_jobs=settings.max_adapters)
+        await adapters.start()
     worker = Worker(nc, js, engine, prompts, deployment=deployment, replica=replica,
                     max_inflight=settings.max_inflight, ack_wait_s=settings.ack_wait_s,
-                    max_deliver=settings.max_deliver)
+                    max_deliver=settings.max_deliver, adapters=adapters)
 
     async def status(req) -> None:
         reply = ServiceStatus(service="inference", replica=replica, detail={
             "model": settings.name, "engine": engine.info.name, "in_flight": len(worker.inflight),
             "served": worker.served, "max_model_len": engine.info.max_model_len,
+            "adapters": adapters.loaded() if adapters else {},
         })
         await req.respond(reply.model_dump_json().encode())
 
@@ -84,6 +96,8 @@ async def main(settings: InferenceSettings) -> None:
     log.info("stopping: finishing in-flight requests")
     await worker.drain(timeout_s=10)
     run.cancel()
+    if adapters is not None:
+        await adapters.stop()
     await svc.stop()
     await nc.drain()
     await engine.stop()

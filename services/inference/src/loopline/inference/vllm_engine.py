@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
-from loopline.inference.engine import Delta, Engine, EngineInfo, GenerationRequest
+from loopline.inference.engine import AdapterRejected, Delta, Engine, EngineInfo, GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +28,41 @@ _CPU_DEFAULTS = {
 }
 
 
+def _vllm_folder(checkpoint_dir: Path, config: dict[str, Any]) -> str:
+    """A folder vLLM's LoRA loader reads: the Tokenformer conversion where it is installed;
+    LoRA checkpoints are PEFT folders already."""
+    try:
+        from loopline.inference.adapters_vllm import to_vllm_lora
+    except ImportError:
+        if config.get("adapter_type") != "lora":
+            raise AdapterRejected("Tokenformer adapters need loopline.inference.adapters_vllm") from None
+        return str(checkpoint_dir)
+    try:
+        path, _kind = to_vllm_lora(checkpoint_dir, checkpoint_dir.with_name(checkpoint_dir.name + "-vllm"))
+    except ValueError as exc:  # not servable as a vLLM adapter (the message says why)
+        raise AdapterRejected(str(exc)) from exc
+    return path
+
+
 class VllmEngine(Engine):
-    def __init__(self, model_path: str, *, max_model_len: int | None, max_num_seqs: int, dtype: str):
+    def __init__(self, model_path: str, *, max_model_len: int | None, max_num_seqs: int, dtype: str,
+                 enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 64,
+                 max_cpu_loras: int | None = None, engine_args: dict[str, Any] | None = None):
         self.model_path = model_path
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.dtype = dtype
+        # Run-time adapters (adapters.py): max_loras is how many distinct adapters one batch may
+        # mix; the rank bound must cover every adapter's r (a Tokenformer's is its num_tokens).
+        self.enable_lora = enable_lora
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max_cpu_loras
+        # Further AsyncEngineArgs fields, applied last (tests: logprobs_mode="raw_logits", ...).
+        self.engine_args = dict(engine_args or {})
         self.llm = None
+        # vLLM names adapters by an int id that must never be reused for other weights.
+        self._lora_ids = 0
 
     async def start(self) -> None:
         import torch
@@ -50,7 +81,7 @@ class VllmEngine(Engine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(
+        fields = dict(
             model=self.model_path,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
@@ -58,7 +89,13 @@ class VllmEngine(Engine):
             enable_prefix_caching=True,
             disable_log_stats=True,
             distributed_executor_backend=executor,
+            enable_lora=self.enable_lora,
+            **({"max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank,
+                # vLLM silently evicts adapters beyond this cache; a job's old version lives on
+                # beside its new one while pinned, so leave room for one spare per slot.
+                "max_cpu_loras": self.max_cpu_loras or 2 * self.max_loras} if self.enable_lora else {}),
         )
+        args = AsyncEngineArgs(**{**fields, **self.engine_args})
         self.llm = AsyncLLM.from_engine_args(args)
         max_len = self.llm.vllm_config.model_config.max_model_len
         self.info = EngineInfo(name="vllm", max_model_len=max_len)
@@ -87,7 +124,9 @@ class VllmEngine(Engine):
         )
         counts = [0] * s.n
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
-        async for output in self.llm.generate(prompt, params, request.request_id):
+        # request.adapter is the LoRARequest of the version this request pinned (load_adapter).
+        async for output in self.llm.generate(prompt, params, request.request_id,
+                                              lora_request=request.adapter):
             for out in output.outputs:
                 counts[out.index] += len(out.token_ids)
                 text = out.text
@@ -99,6 +138,30 @@ class VllmEngine(Engine):
     async def abort(self, request_id: str) -> None:
         if self.llm is not None:
             await self.llm.abort(request_id)
+
+    async def load_adapter(self, name: str, checkpoint_dir: Path, config: dict[str, Any]) -> Any:
+        """Add the checkpoint to vLLM's LoRA registry as a new adapter id; the returned
+        ``LoRARequest`` is what requests pass. ``add_lora`` loads the weights before it returns, so
+        the first request on the version does not pay for loading."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.llm.vllm_config.lora_config:
+            raise AdapterRejected("this replica's vLLM runs without LoRA support (enable_lora off)")
+        if config.get("adapter_type") == "none":
+            raise AdapterRejected("a full fine-tune (adapter_type none) is a new model, not an "
+                                  "adapter: vLLM serves it only as a model of its own")
+        path = await asyncio.to_thread(_vllm_folder, checkpoint_dir, config)
+        self._lora_ids += 1
+        request = LoRARequest(lora_name=name, lora_int_id=self._lora_ids, lora_path=path)
+        try:
+            await self.llm.add_lora(request)
+        except Exception as exc:  # noqa: BLE001 - vLLM's refusal: rank above max_lora_rank, ...
+            raise AdapterRejected(f"vLLM could not load the adapter: {exc}") from exc
+        return request
+
+    async def unload_adapter(self, handle: Any) -> None:
+        if self.llm is not None:
+            await self.llm.remove_lora(handle.lora_int_id)
 
     async def stop(self) -> None:
         if self.llm is not None:

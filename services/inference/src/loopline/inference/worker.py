@@ -8,6 +8,7 @@ request id as ``Nats-Msg-Id``, so a request answered twice is stored once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -19,6 +20,7 @@ from nats.js import JetStreamContext
 from loopline.common import bus, subjects
 from loopline.common.schemas import Choice, ErrorInfo, ResultItem, TokenDelta, WorkItem
 from loopline.common.telemetry import context_from_headers, tracer
+from loopline.inference.adapters import AdapterManager, AdapterUnavailable
 from loopline.inference.engine import Engine
 from loopline.inference.prompts import PromptBuilder, PromptError
 
@@ -28,8 +30,10 @@ _tracer = tracer("loopline.inference")
 
 class Worker:
     def __init__(self, nc: NATS, js: JetStreamContext, engine: Engine, prompts: PromptBuilder, *,
-                 deployment: str, replica: str, max_inflight: int, ack_wait_s: float, max_deliver: int):
+                 deployment: str, replica: str, max_inflight: int, ack_wait_s: float, max_deliver: int,
+                 adapters: AdapterManager | None = None):
         self.nc, self.js, self.engine, self.prompts = nc, js, engine, prompts
+        self.adapters = adapters
         self.deployment, self.replica = deployment, replica
         self.max_inflight = max_inflight
         self.ack_wait_s = ack_wait_s
@@ -118,9 +122,26 @@ class Worker:
             self.served += 1
 
     async def _generate(self, item: WorkItem) -> ResultItem:
+        if item.adapter is None:
+            return await self._generate_with(item, None)
+        if self.adapters is None:
+            return self._error(item, 404, f"model {item.model!r}: this replica serves no adapters")
+        # Pinned for the whole request: a newer checkpoint loaded meanwhile serves later requests.
+        try:
+            version = await self.adapters.acquire(item.adapter)
+        except AdapterUnavailable as exc:
+            if exc.status >= 500:
+                raise  # NATS restarting: nak, so this or another replica tries again
+            return self._error(item, exc.status, exc.message)
+        try:
+            return await self._generate_with(item, version.handle)
+        finally:
+            await self.adapters.release(version)
+
+    async def _generate_with(self, item: WorkItem, adapter) -> ResultItem:
         started = time.time()
         try:
-            request = self.prompts.build(item)
+            request = dataclasses.replace(self.prompts.build(item), adapter=adapter)
         except PromptError as exc:
             return self._error(item, exc.status, exc.message)
         texts = [""] * item.sampling.n

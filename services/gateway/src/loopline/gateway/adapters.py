@@ -1,0 +1,104 @@
+"""Which training jobs are servable: the gateway's view of ``events.adapters.<hash>.<kind>``.
+
+Inference replicas announce each adapter version they load (``loaded``) or cannot serve
+(``rejected``; the checkpoint-watcher sends those too). The gateway follows these events from the
+start of the EVENTS stream, so a gateway started later knows every job loaded before it. A job is
+*deployed* once any replica has loaded a checkpoint of it; a replica that has not (it started later,
+or its LRU bound evicted the job) loads it at the job's next request, so the flag stays true.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from loopline.common import subjects
+from loopline.common.job_schemas import AdapterEvent
+
+log = logging.getLogger(__name__)
+
+# A name that can be a job hash in a subject (the look-up must not send a wildcard).
+_SUBJECT_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+@dataclass
+class ServedAdapter:
+    job_hash: str
+    base_model: str
+    step: int  # the newest step some replica loaded
+    adapter_type: str | None
+    first_loaded_at: float  # orders jobs for ``latest``
+    replicas: set[str] = field(default_factory=set)
+
+
+class AdapterRegistry:
+    def __init__(self, js: JetStreamContext):
+        self.js = js
+        self.served: dict[str, ServedAdapter] = {}
+        # job -> why its newest checkpoint cannot be served (cleared when a later one loads).
+        self.rejected: dict[str, str] = {}
+        self._sub = None
+
+    async def start(self) -> None:
+        self._sub = await self.js.subscribe(
+            subjects.ADAPTER_EVENTS_ALL, stream=subjects.EVENTS_STREAM, cb=self._on_event,
+            ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - the connection is closing anyway
+                pass
+
+    def deployed(self, job_hash: str) -> bool:
+        return job_hash in self.served
+
+    def latest(self, base_models: set[str]) -> ServedAdapter | None:
+        """The job first loaded most recently, among those adapting a model being served."""
+        candidates = [a for a in self.served.values() if a.base_model in base_models]
+        return max(candidates, key=lambda a: a.first_loaded_at, default=None)
+
+    async def find(self, job_hash: str) -> ServedAdapter | None:
+        """The job's adapter; on a miss, its last ``loaded`` event is read from the stream, so a
+        request that follows a load closely does not depend on the subscription's delivery."""
+        if job_hash in self.served or not _SUBJECT_TOKEN.match(job_hash):
+            return self.served.get(job_hash)
+        try:
+            msg = await self.js.get_last_msg(subjects.EVENTS_STREAM,
+                                             subjects.adapter_event(job_hash, "loaded"))
+        except NotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - NATS restarting: as good as not found, for now
+            log.debug("looking up adapter %s failed: %s", job_hash, exc)
+            return None
+        self.apply(AdapterEvent.model_validate_json(msg.data))
+        return self.served.get(job_hash)
+
+    async def _on_event(self, msg) -> None:
+        try:
+            self.apply(AdapterEvent.model_validate_json(msg.data))
+        except ValueError:
+            log.warning("ignoring a malformed adapter event on %s", msg.subject)
+
+    def apply(self, event: AdapterEvent) -> None:
+        if event.kind == "rejected":
+            served = self.served.get(event.job_hash)
+            if served is None or (event.step or 0) >= served.step:
+                self.rejected[event.job_hash] = event.reason or "rejected"
+            return
+        if event.kind != "loaded" or event.base_model is None or event.step is None:
+            return
+        served = self.served.get(event.job_hash)
+        if served is None:
+            served = self.served[event.job_hash] = ServedAdapter(
+                event.job_hash, event.base_model, event.step, event.adapter_type, event.time)
+        served.step = max(served.step, event.step)
+        if event.replica:
+            served.replicas.add(event.replica)
+        self.rejected.pop(event.job_hash, None)

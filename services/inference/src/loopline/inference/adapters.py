@@ -1,0 +1,284 @@
+"""Run-time adapters of one replica: every job's newest checkpoint, loaded off the serving path.
+
+The checkpoint-watcher announces each job's newest checkpoint on ``checkpoints.<base>.<hash>``
+(the stream keeps the last one per subject). This replica follows those of its base model with an
+ordered push consumer that starts with the last message of every subject (a replica started later
+catches up) and then gets each new one as it is published. A loader task downloads the adapter
+from the object store, unpacks it into a folder of this replica's own, loads it into the engine as
+a new *version*, and only then points the job at it; the replica then announces
+``events.adapters.<hash>.loaded``.
+
+Requests pin the version current when they start (``acquire``) and let go when done (``release``);
+a version that is no longer current is unloaded when its last request lets go. At most
+``max_jobs`` jobs keep a version loaded: the least recently used one is unloaded (it stays known,
+and its next request loads it again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import shutil
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from loopline.common import bus, subjects
+from loopline.common.job_schemas import AdapterEvent, CheckpointAnnounce
+from loopline.inference.adapter_files import BadArchive, download, unpack
+from loopline.inference.engine import AdapterRejected, Engine
+from loopline.ml.adapters import read_adapter_config
+
+log = logging.getLogger(__name__)
+
+# A job hash names a subject token and a folder: nothing else may pass.
+_JOB_HASH = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+# Announce-driven loads that fail for a passing reason (NATS restarting) are retried this often.
+LOAD_ATTEMPTS = 4
+
+
+@dataclass(eq=False)  # identity, not value: two loads of one step are two versions
+class Version:
+    job_hash: str
+    step: int
+    sha256: str
+    handle: Any  # what the engine's load_adapter returned; requests generate with it
+    folder: Path
+    refs: int = 0
+
+
+class AdapterUnavailable(Exception):
+    """A request named a job this replica cannot serve; ``status`` is the HTTP status to answer."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class _Refused(Exception):
+    """The checkpoint cannot be served by this replica, however often we try."""
+
+
+class AdapterManager:
+    def __init__(self, js: JetStreamContext, engine: Engine, *, base_model: str, replica: str,
+                 root: Path, max_jobs: int):
+        self.js, self.engine = js, engine
+        self.base_model, self.replica = base_model, replica
+        self.root = root
+        self.max_jobs = max_jobs
+        # job -> the version new requests get; ordered least recently used first.
+        self.current: OrderedDict[str, Version] = OrderedDict()
+        # job -> its newest checkpoint known to this replica, loaded or not.
+        self.announces: dict[str, CheckpointAnnounce] = {}
+        # job -> (step, sha256, why) of a newest checkpoint the engine refused.
+        self.rejected: dict[str, tuple[int, str, str]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._queue: asyncio.Queue[str] = asyncio.Queue()
+        self._queued: set[str] = set()
+        self._loads = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._sub = None
+        self._obs = None
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        # Folders of a previous run of this replica are stale: their versions died with it.
+        await asyncio.to_thread(shutil.rmtree, self.root, True)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._obs = await self.js.object_store(subjects.ADAPTERS_BUCKET)
+        self._spawn(self._load_forever())
+        self._sub = await self.js.subscribe(
+            subjects.checkpoints_of_base(self.base_model), stream=subjects.CHECKPOINTS_STREAM,
+            cb=self._on_announce, ordered_consumer=True,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.to_thread(shutil.rmtree, self.root, True)
+
+    def loaded(self) -> dict[str, int]:
+        """job -> step of its current version (for the status endpoint)."""
+        return {job: v.step for job, v in self.current.items()}
+
+    # --- requests ---------------------------------------------------------------------------------
+    async def acquire(self, job_hash: str) -> Version:
+        """The job's current version, pinned until ``release``; loads it first if it is not loaded
+        (a job evicted by the LRU bound, or announced before this replica caught up)."""
+        version = self.current.get(job_hash)
+        if version is not None:
+            # No await between finding the version and pinning it: it cannot be unloaded between.
+            version.refs += 1
+            self.current.move_to_end(job_hash)
+            return version
+        if not _JOB_HASH.match(job_hash):
+            raise AdapterUnavailable(400, f"{job_hash!r} is not a job hash")
+        if job_hash not in self.announces:
+            await self._look_up(job_hash)
+        return await self._ensure(job_hash, pin=True)
+
+    async def release(self, version: Version) -> None:
+        version.refs -= 1
+        if version.refs == 0 and self.current.get(version.job_hash) is not version:
+            await self._unload(version)
+        await self._evict()
+
+    # --- announces --------------------------------------------------------------------------------
+    async def _on_announce(self, msg) -> None:
+        try:
+            announce = CheckpointAnnounce.model_validate_json(msg.data)
+        except ValueError:
+            log.error("ignoring a malformed checkpoint announce on %s", msg.subject)
+            return
+        if not _JOB_HASH.match(announce.job_hash):
+            log.error("ignoring a checkpoint announce for job %r", announce.job_hash)
+            return
+        self.announces[announce.job_hash] = announce
+        # Catching up with more jobs than the LRU keeps: load only the newest max_jobs (the last
+        # messages delivered); older ones stay known and load at their first request.
+        if msg.metadata.num_pending >= self.max_jobs and announce.job_hash not in self.current:
+            return
+        if announce.job_hash not in self._queued:
+            self._queued.add(announce.job_hash)
+            self._queue.put_nowait(announce.job_hash)
+
+    async def _load_forever(self) -> None:
+        # Invariant: every job in the queue has an announce newer than its current version, or
+        # had one when queued (_ensure then finds nothing to do). One load at a time: loads are
+        # short, and one at a time keeps the engine's memory and the CPU for serving.
+        while True:
+            job_hash = await self._queue.get()
+            self._queued.discard(job_hash)
+            for attempt in range(LOAD_ATTEMPTS):
+                try:
+                    await self._ensure(job_hash)
+                    break
+                except AdapterUnavailable as exc:
+                    if exc.status != 503:
+                        break  # rejected: the event said why; a newer checkpoint may do better
+                    log.warning("loading %s failed (%s); retrying", job_hash[:12], exc.message)
+                    await asyncio.sleep(0.5 * 2 ** attempt)
+                except Exception:  # noqa: BLE001 - keep loading other jobs whatever happens
+                    log.exception("loading the adapter of %s failed", job_hash[:12])
+                    break
+
+    async def _look_up(self, job_hash: str) -> None:
+        subject = subjects.checkpoint_subject(self.base_model, job_hash)
+        try:
+            msg = await self.js.get_last_msg(subjects.CHECKPOINTS_STREAM, subject)
+        except NotFoundError:
+            raise AdapterUnavailable(404, f"job {job_hash} has no checkpoint for {self.base_model}") from None
+        except Exception as exc:  # noqa: BLE001 - NATS restarting
+            raise AdapterUnavailable(503, f"cannot look up the checkpoints of {job_hash}: {exc}") from exc
+        announce = CheckpointAnnounce.model_validate_json(msg.data)
+        self.announces.setdefault(job_hash, announce)
+
+    # --- loading ----------------------------------------------------------------------------------
+    async def _ensure(self, job_hash: str, *, pin: bool = False) -> Version:
+        """Make the job's newest known checkpoint its current version (a no-op when it is); with
+        ``pin``, the version returned is pinned for a request."""
+        lock = self._locks.setdefault(job_hash, asyncio.Lock())
+        async with lock:
+            announce = self.announces[job_hash]
+            current = self.current.get(job_hash)
+            if current is not None and (current.step, current.sha256) == (announce.step, announce.sha256):
+                current.refs += pin
+                return current
+            refused = self.rejected.get(job_hash)
+            if refused is None or refused[:2] != (announce.step, announce.sha256):
+                started = time.time()
+                try:
+                    version = await self._load(announce)
+                except _Refused as exc:
+                    self._reject(announce, str(exc))
+                    refused = self.rejected[job_hash]
+                else:
+                    # Point and pin before any await: nothing can unload it in between. The
+                    # previous version is read again: the LRU may have evicted it during the load.
+                    previous = self.current.pop(job_hash, None)
+                    self.current[job_hash] = version  # most recently used
+                    version.refs += pin
+                    self._loaded(announce, started)
+                    if previous is not None and previous.refs == 0:
+                        await self._unload(previous)  # else its last request unloads it
+                    await self._evict()
+                    return version
+            current = self.current.get(job_hash)
+            if current is not None:
+                current.refs += pin
+                return current  # the newest cannot be served; the one before still can
+            raise AdapterUnavailable(422, f"job {job_hash} cannot be served here: {refused[2]}")
+
+    async def _load(self, announce: CheckpointAnnounce) -> Version:
+        self._loads += 1
+        # A folder per load: a version being reloaded never shares files with one being unloaded.
+        folder = self.root / announce.job_hash / f"{announce.step}-{self._loads}"
+        try:
+            archive = await download(self._obs, announce, folder)
+            checkpoint = await asyncio.to_thread(unpack, archive, folder)
+            archive.unlink()
+            config = await asyncio.to_thread(read_adapter_config, checkpoint)
+            handle = await self.engine.load_adapter(f"{announce.job_hash}@{announce.step}",
+                                                    checkpoint, config)
+        except (AdapterRejected, BadArchive, ValueError) as exc:
+            await asyncio.to_thread(shutil.rmtree, folder, True)
+            raise _Refused(str(exc)) from exc
+        except Exception as exc:  # noqa: BLE001 - the object store is unreachable: may pass
+            await asyncio.to_thread(shutil.rmtree, folder, True)
+            raise AdapterUnavailable(503, f"could not fetch {announce.object_name}: {exc!r}") from exc
+        return Version(announce.job_hash, announce.step, announce.sha256, handle, folder)
+
+    def _loaded(self, announce: CheckpointAnnounce, started: float) -> None:
+        loaded = time.time()
+        log.info("serving %s step %d: loaded in %.3f s, %.3f s after it was written",
+                 announce.job_hash[:12], announce.step, loaded - started, loaded - announce.created_at)
+        self._emit(AdapterEvent(
+            job_hash=announce.job_hash, kind="loaded", step=announce.step, time=loaded,
+            replica=self.replica, base_model=self.base_model, adapter_type=announce.adapter_type,
+            latency_s=loaded - announce.created_at, load_s=loaded - started))
+
+    def _reject(self, announce: CheckpointAnnounce, why: str) -> None:
+        log.warning("cannot serve %s step %d: %s", announce.job_hash[:12], announce.step, why)
+        self.rejected[announce.job_hash] = (announce.step, announce.sha256, why)
+        self._emit(AdapterEvent(job_hash=announce.job_hash, kind="rejected", step=announce.step,
+                                reason=why, replica=self.replica, base_model=self.base_model,
+                                adapter_type=announce.adapter_type))
+
+    async def _evict(self) -> None:
+        """Unload least recently used jobs, skipping versions in use and the job used last (just
+        loaded for a request about to pin it), until within the bound."""
+        while len(self.current) > self.max_jobs:
+            candidates = list(self.current.items())[:-1]
+            idle = next((job for job, v in candidates if v.refs == 0), None)
+            if idle is None:
+                return  # all busy: the next release evicts
+            await self._unload(self.current.pop(idle))
+
+    async def _unload(self, version: Version) -> None:
+        try:
+            await self.engine.unload_adapter(version.handle)
+        except Exception:  # noqa: BLE001 - the engine is stopping; nothing left to free
+            log.exception("unloading %s step %d failed", version.job_hash[:12], version.step)
+        await asyncio.to_thread(shutil.rmtree, version.folder, True)
+        log.info("unloaded %s step %d", version.job_hash[:12], version.step)
+
+    # --- events -----------------------------------------------------------------------------------
+    def _emit(self, event: AdapterEvent) -> None:
+        """Publish in the background: a slow or restarting NATS must not hold up serving."""
+        msg_id = f"{event.job_hash}:{event.step}:{self.replica}:{event.kind}:{self._loads}"
+        self._spawn(bus.publish_durable(self.js, subjects.adapter_event(event.job_hash, event.kind),
+                                        event.model_dump_json().encode(), msg_id=msg_id))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
