@@ -1,10 +1,11 @@
-"""Training through the whole platform, every part real: the unmodified ``scalarlm`` client and the
-``loopline`` CLI -> gateway -> NATS -> trainer -> Slurm (private single-node cluster) -> the ml/
-program -> checkpoints in the job directory -> the reference engine serving them.
+"""The closed loop through the whole platform, every part real: the unmodified ``scalarlm`` client
+and the ``loopline`` CLI -> gateway -> NATS -> trainer -> Slurm (private single-node cluster) -> the
+ml/ program -> checkpoints in the job directory -> checkpoint-watcher -> vLLM replica serving the
+new adapter -> ``generate(model_name=<job hash>)`` and ``openai`` with ``model=<job hash>``.
 
 Three prompt -> completion pairs on the tiny model with the documented recipe
-(docs/adapter-format.md): each trained adapter gives all three answers back exactly, the base model
-none of them.
+(docs/adapter-format.md): each trained adapter gives all three answers back exactly, through the
+reference engine and through the served platform; the base model gives none of them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import scalarlm
 
@@ -45,6 +47,16 @@ def train_stack(tmp_path_factory, tiny, slurm):
     yield s
     s.stop()
     slurm.cancel_all()
+
+
+def wait_deployed(llm, job_hash: str, timeout_s: float = 60) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = llm.get_training_job(job_hash)
+        if job["deployed"]:
+            return job
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_hash} was not deployed in {timeout_s} s: {job}")
 
 
 def wait_finished(llm, job_hash: str, timeout_s: float = 240) -> dict:
@@ -118,7 +130,20 @@ def test_scalarlm_client_trains_an_adapter_that_answers(train_stack, tiny, tmp_p
 
     step, checkpoint = latest_checkpoint(train_stack.jobs_dir / job_hash)
     assert step == RECIPE["max_steps"]
-    assert generate(tiny, checkpoint) == [a for _, a in PAIRS]
+    answers = [a for _, a in PAIRS]
+    assert generate(tiny, checkpoint) == answers
+
+    # The loop closes: the watcher announced the final checkpoint, the vLLM replica loaded it, and
+    # the job hash now answers as a model, through both clients, while the base model does not.
+    wait_deployed(llm, job_hash)
+    prompts = [q for q, _ in PAIRS]
+    assert llm.generate(prompts=prompts, model_name=job_hash, max_tokens=24) == answers
+    oai = openai.OpenAI(base_url=f"{train_stack.url}/v1", api_key="none", max_retries=0)
+    for prompt, answer in PAIRS:
+        out = oai.completions.create(model=job_hash, prompt=prompt, max_tokens=24, temperature=0)
+        assert out.choices[0].text == answer
+    base = llm.generate(prompts=prompts, model_name=tiny, max_tokens=24)
+    assert all(b != a for b, a in zip(base, answers))
 
 
 def test_base_model_does_not_know_the_answers(tiny):
