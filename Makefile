@@ -20,6 +20,7 @@ test: install slurm
 
 bench: install
 	@$(PY) bench/serving.py
+	@$(PY) bench/training.py
 
 # The tiny random test model (seconds to build); then: LOOPLINE_MODEL=.loopline/models/tiny make up
 tiny-model: install
