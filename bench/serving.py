@@ -168,16 +168,22 @@ class PathResult:
 
 # --- (a) the engine in-process ------------------------------------------------------------------------------
 async def bench_engine(model_path: str, model_name: str, prompts: list[str], warmup: list[str],
-                       max_tokens: int) -> PathResult:
+                       max_tokens: int, adapters: bool) -> PathResult:
     from transformers import AutoTokenizer
 
     from loopline.common.schemas import SamplingParams, WorkItem
     from loopline.inference.prompts import PromptBuilder
-    from loopline.inference.vllm_engine import VllmEngine
+    from loopline.common.settings import InferenceSettings
+    from loopline.inference.engine import make_engine
 
     res = PathResult()
     t0 = time.perf_counter()
-    engine = VllmEngine(model_path, max_model_len=None, max_num_seqs=MAX_NUM_SEQS, dtype=DTYPE)
+    # The service's own factory and adapter settings, so (a) runs the very engine a replica runs
+    # (run-time adapters make vLLM set up its LoRA machinery, which costs base requests too).
+    defaults = InferenceSettings()
+    engine = make_engine("vllm", model_path, max_model_len=None, max_inflight=MAX_NUM_SEQS, dtype=DTYPE,
+                         adapters=adapters, max_adapters=defaults.max_adapters,
+                         max_adapter_rank=defaults.max_adapter_rank)
     await engine.start()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     builder = PromptBuilder(tokenizer, engine.info.max_model_len)
@@ -461,7 +467,7 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
     n = len(a.latency_s)
     print()
     print(f"Loopline serving benchmark — model {args.model!r} ({model_path}), {n} prompts, "
-          f"max_tokens {args.max_tokens}, greedy")
+          f"max_tokens {args.max_tokens}, greedy, run-time adapters {'on' if args.adapters else 'off'}")
     print(f"  (a) VllmEngine in-process      (b) HTTP -> gateway -> NATS -> inference replica")
     print("  " + " ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in ENV_SHOWN))
     print()
@@ -544,6 +550,7 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
 
     return {
         "model": args.model, "model_path": model_path, "prompts": n, "max_tokens": args.max_tokens,
+        "adapters": args.adapters,
         "host": {"python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count()},
         "env": {k: os.environ.get(k) for k in ENV_SHOWN},
         "targets": {"throughput_ratio": TARGET_THROUGHPUT_RATIO, "added_latency_p50_ms": TARGET_ADDED_P50_MS},
@@ -586,11 +593,19 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/serving.json"))
+    parser.add_argument("--adapters", choices=("on", "off"), default=None,
+                        help="run-time adapters in both paths (default: the service's default, "
+                             "LOOPLINE_ADAPTERS)")
     parser.add_argument("--state-dir", type=Path, default=None,
                         help="where the stack keeps NATS data, logs and the model (default: a temp dir)")
     args = parser.parse_args()
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.adapters is not None:
+        os.environ["LOOPLINE_ADAPTERS"] = "1" if args.adapters == "on" else "0"
+    from loopline.common.settings import InferenceSettings
+
+    args.adapters = InferenceSettings().adapters  # what both paths run with
     from loopline.common.stack import LocalStack
     from loopline.ml.models.resolve import resolve_model
 
@@ -603,11 +618,14 @@ def main() -> int:
         model_path = str(resolve_model(args.model, state_dir / "models"))
 
         print(f"(a) engine in-process: {model_path}", flush=True)
-        a = asyncio.run(bench_engine(model_path, args.model, prompts, warmup, args.max_tokens))
+        print(f"    run-time adapters (vLLM LoRA machinery): {'on' if args.adapters else 'off'}")
+        a = asyncio.run(bench_engine(model_path, args.model, prompts, warmup, args.max_tokens,
+                                     args.adapters))
         gc.collect()
 
         print(f"(b) platform: starting LocalStack in {state_dir}", flush=True)
-        stack = LocalStack(state_dir=state_dir, model=args.model, replicas=1)
+        stack = LocalStack(state_dir=state_dir, model=args.model, replicas=1,
+                           env={"LOOPLINE_ADAPTERS": "1" if args.adapters else "0"})
         try:
             t0 = time.perf_counter()
             stack.start()
