@@ -66,6 +66,9 @@ class ResultItem(BaseModel):
     prompt_tokens: int = 0
     error: ErrorInfo | None = None
     replica: str = ""
+    # The adapter version (checkpoint step) the request was pinned to for its whole generation;
+    # None for the base model. Lets a client tell which checkpoint produced an answer.
+    adapter_step: int | None = None
     started_at: float = 0.0
     finished_at: float = Field(default_factory=time.time)
 
@@ -88,6 +91,8 @@ class TokenDelta(BaseModel):
     choice: int = 0
     text: str
     tokens: int
+    # As in ResultItem: a stream's chunks name the version that produced them before the result.
+    adapter_step: int | None = None
 
 
 class DeploymentInfo(BaseModel):

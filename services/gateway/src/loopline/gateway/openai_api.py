@@ -71,7 +71,7 @@ async def _serve(request: Request, body: CommonParams, prompts: list[Prompt], *,
     )
     group = fresh_group()
     shape = _Shape(chat=chat, model=deployment.model, id=("chatcmpl-" if chat else "cmpl-") + group,
-                   n=body.n)
+                   n=body.n, adapter=deployment.adapter)
     events = _Events(bridge, group, len(prompts))
     await events.open(stream=body.stream)
     try:
@@ -156,10 +156,17 @@ class _Events:
 
 
 class _Shape:
-    """Builds OpenAI's response objects for completions and chat."""
+    """Builds OpenAI's response objects for completions and chat.
 
-    def __init__(self, *, chat: bool, model: str, id: str, n: int):
+    For an adapter request, ``system_fingerprint`` (OpenAI's "which backend configuration produced
+    this") is ``<job hash>@<step>``: the checkpoint the replica pinned for the whole generation, so
+    a client can tell which version answered while new checkpoints keep arriving. The base model
+    has none (the key is left out, as OpenAI allows).
+    """
+
+    def __init__(self, *, chat: bool, model: str, id: str, n: int, adapter: str | None = None):
         self.chat, self.model, self.id, self.n = chat, model, id, n
+        self.adapter = adapter  # the job hash actually served (``latest`` resolved)
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
@@ -169,18 +176,32 @@ class _Shape:
                     "logprobs": None, "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
 
+    def fingerprint(self, step: int | None) -> str | None:
+        return f"{self.adapter}@{step}" if self.adapter is not None and step is not None else None
+
+    def fingerprint_of(self, results: list[ResultItem]) -> str | None:
+        """One request, one version; a completions request with several prompts is several work
+        items, which may be pinned to different versions: then all of them, oldest first."""
+        steps = sorted({r.adapter_step for r in results if r.adapter_step is not None})
+        return ",".join(self.fingerprint(s) for s in steps) or None
+
     def response(self, results: list[ResultItem]) -> dict:
         for result in results:
             if result.error is not None:
                 raise ApiError(result.error.status, result.error.message, type=result.error.type)
         choices = [self._choice(r.index * self.n + c.index, c.text, _finish(c.finish_reason))
                    for r in results for c in r.choices]
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": _usage(results)}
+        obj = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+               "choices": choices, "usage": _usage(results)}
+        if (fingerprint := self.fingerprint_of(results)) is not None:
+            obj["system_fingerprint"] = fingerprint
+        return obj
 
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+    def _chunk(self, choices: list[dict], usage: dict | None = None, fingerprint: str | None = None) -> str:
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": choices}
+        if fingerprint is not None:
+            obj["system_fingerprint"] = fingerprint
         if usage is not None:
             obj["usage"] = usage
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -196,9 +217,12 @@ class _Shape:
         sent_tokens: dict[int, int] = {}
         sent_text: dict[int, str] = {}
         try:
+            # Each chunk names the version of the work item its choice belongs to; the first event
+            # (a delta or the result) already carries it, so even the role chunks have it.
+            first_print = self.fingerprint(first.adapter_step) if first is not None else None
             if self.chat:
                 for i in range(len(ids) * self.n):
-                    yield self._chunk([self._delta(i, None, None, role=True)])
+                    yield self._chunk([self._delta(i, None, None, role=True)], fingerprint=first_print)
             event = first
             idle = 0.0
             done: set[int] = set()
@@ -210,7 +234,8 @@ class _Shape:
                     if event.tokens > sent_tokens.get(k, 0) and k // self.n not in done:
                         sent_tokens[k] = event.tokens
                         sent_text[k] = sent_text.get(k, "") + event.text
-                        yield self._chunk([self._delta(k, event.text, None)])
+                        yield self._chunk([self._delta(k, event.text, None)],
+                                          fingerprint=self.fingerprint(event.adapter_step))
                 elif isinstance(event, ResultItem) and event.index not in done:
                     done.add(event.index)
                     if event.error is not None:
@@ -221,7 +246,8 @@ class _Shape:
                         k = event.index * self.n + c.index
                         have = sent_text.get(k, "")
                         rest = c.text[len(have):] if c.text.startswith(have) else ""
-                        yield self._chunk([self._delta(k, rest, _finish(c.finish_reason))])
+                        yield self._chunk([self._delta(k, rest, _finish(c.finish_reason))],
+                                          fingerprint=self.fingerprint(event.adapter_step))
                     if len(done) == len(ids):
                         break
                 elif event is None:
@@ -238,7 +264,7 @@ class _Shape:
                     event = None
             if include_usage:
                 results = [events.results[i] for i in sorted(events.results)]
-                yield self._chunk([], usage=_usage(results))
+                yield self._chunk([], usage=_usage(results), fingerprint=self.fingerprint_of(results))
             yield "data: [DONE]\n\n"
         finally:
             await events.close()

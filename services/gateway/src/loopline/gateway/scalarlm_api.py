@@ -73,8 +73,13 @@ def result_entry(rid: str, result: ResultItem | None) -> dict:
         return {"request_id": rid, "response": None, "error": None}
     if result.error is not None:
         return {"request_id": rid, "response": None, "error": result.error.message}
-    return {"request_id": rid, "response": result.choices[0].text if result.choices else "",
-            "error": None, "token_count": result.completion_tokens}
+    entry = {"request_id": rid, "response": result.choices[0].text if result.choices else "",
+             "error": None, "token_count": result.completion_tokens}
+    if result.adapter_step is not None:
+        # Which checkpoint answered. The scalarlm client reads only request_id/response/error,
+        # by key, so an extra key (like token_count) passes through it untouched.
+        entry["adapter_step"] = result.adapter_step
+    return entry
 
 
 async def collect(bridge: Bridge, ids: list[str], timeout_s: float, *, stored_first: bool) -> list[dict]:

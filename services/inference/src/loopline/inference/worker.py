@@ -134,11 +134,11 @@ class Worker:
                 raise  # NATS restarting: nak, so this or another replica tries again
             return self._error(item, exc.status, exc.message)
         try:
-            return await self._generate_with(item, version.handle)
+            return await self._generate_with(item, version.handle, version.step)
         finally:
             await self.adapters.release(version)
 
-    async def _generate_with(self, item: WorkItem, adapter) -> ResultItem:
+    async def _generate_with(self, item: WorkItem, adapter, step: int | None = None) -> ResultItem:
         started = time.time()
         try:
             request = dataclasses.replace(self.prompts.build(item), adapter=adapter)
@@ -155,7 +155,7 @@ class Worker:
                 reasons[delta.choice] = delta.finish_reason
             if stream_subject and delta.text:
                 token = TokenDelta(request_id=item.request_id, choice=delta.choice, text=delta.text,
-                                   tokens=delta.tokens)
+                                   tokens=delta.tokens, adapter_step=step)
                 # Core NATS, fire and forget: the durable answer is the result message.
                 await self.nc.publish(stream_subject, token.model_dump_json().encode())
         return ResultItem(
@@ -163,6 +163,7 @@ class Worker:
             choices=[Choice(index=i, text=t, finish_reason=reasons[i], completion_tokens=counts[i])
                      for i, t in enumerate(texts)],
             prompt_tokens=len(request.prompt_token_ids), replica=self.replica, started_at=started,
+            adapter_step=step,
         )
 
     def _error(self, item: WorkItem, status: int, message: str, kind: str = "invalid_request_error"):
