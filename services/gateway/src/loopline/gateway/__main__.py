@@ -1,9 +1,8 @@
 """``python -m loopline.gateway``: serve the REST API."""
 
-import logging
-
 import uvicorn
 
+from loopline.common import process
 from loopline.common.settings import GatewaySettings
 from loopline.common.telemetry import setup_tracing
 from loopline.gateway.app import create_app
@@ -11,7 +10,7 @@ from loopline.gateway.app import create_app
 
 def main() -> None:
     settings = GatewaySettings()
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
+    process.setup_logging("gateway", settings.log_level)
     setup_tracing("loopline-gateway", settings.otlp_endpoint)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
                 timeout_graceful_shutdown=5)

@@ -8,18 +8,15 @@ import os
 # Leave two cores to the rest of the platform unless the user chose.
 os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) - 2)))
 
-import asyncio  # noqa: E402
-import logging  # noqa: E402
-
+from loopline.common import process  # noqa: E402
 from loopline.common.settings import InferenceSettings  # noqa: E402
 from loopline.inference.service import main as serve  # noqa: E402
 
 
 def main() -> None:
     settings = InferenceSettings()
-    logging.basicConfig(level=settings.log_level,
-                        format="%(asctime)s inference %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(settings))
+    process.setup_logging("inference", settings.log_level)
+    process.run(serve(settings))
 
 
 if __name__ == "__main__":

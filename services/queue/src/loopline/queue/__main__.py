@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import os
 import sys
 
+from loopline.common import process
 from loopline.common.settings import QueueSettings
 from loopline.queue.service import run
 
@@ -15,11 +14,8 @@ def main() -> None:
     settings = QueueSettings()
     if settings.nice:
         os.nice(settings.nice)
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    sys.exit(asyncio.run(run(settings)))
+    process.setup_logging("queue", settings.log_level)
+    sys.exit(process.run(run(settings)))
 
 
 if __name__ == "__main__":
