@@ -35,3 +35,16 @@ async def test_trace_context_travels_in_nats_headers(nats_url):
     assert child.get_span_context().trace_id == parent.get_span_context().trace_id
     assert child.parent.span_id == parent.get_span_context().span_id
     assert {s.name for s in exporter.get_finished_spans()} == {"publisher", "consumer"}
+
+
+def test_without_an_exporter_spans_are_not_recorded_but_ids_still_flow():
+    # The set-up every service runs when LOOPLINE_OTLP_ENDPOINT is unset.
+    tracer = telemetry.tracer_provider("test").get_tracer("test")
+    headers: dict[str, str] = {}
+    with tracer.start_as_current_span("publisher") as parent:
+        assert not parent.is_recording()
+        telemetry.inject_trace_headers(headers)
+    assert parent.get_span_context().is_valid and "traceparent" in headers
+    with tracer.start_as_current_span("consumer", context=telemetry.context_from_headers(headers)) as child:
+        pass
+    assert child.get_span_context().trace_id == parent.get_span_context().trace_id
