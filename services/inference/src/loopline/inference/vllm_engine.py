@@ -97,12 +97,17 @@ class VllmEngine(Engine):
         )
         args = AsyncEngineArgs(**{**fields, **self.engine_args})
         self.llm = AsyncLLM.from_engine_args(args)
+        from transformers import AutoTokenizer
+
+        # Our own for decoding finished requests: vLLM's is wrapped in a locked pool of copies
+        # made for its thread pool, which this event loop does not need.
+        self._tokenizer = AutoTokenizer.from_pretrained(self.llm.vllm_config.model_config.tokenizer)
         max_len = self.llm.vllm_config.model_config.max_model_len
         self.info = EngineInfo(name="vllm", max_model_len=max_len)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         s = request.sampling
@@ -123,7 +128,10 @@ class VllmEngine(Engine):
             detokenize=not decode_at_end,
         )
         counts = [0] * s.n
-        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        # Already tokenized (prompts.py), so hand vLLM its rendered input form: a raw TokensPrompt
+        # would be "rendered" again on vLLM's thread pool, one thread hop per request, which on a
+        # small CPU machine costs the event loop more than the rendering itself.
+        prompt = tokens_input(request.prompt_token_ids)
         # request.adapter is the LoRARequest of the version this request pinned (load_adapter).
         async for output in self.llm.generate(prompt, params, request.request_id,
                                               lora_request=request.adapter):
@@ -131,7 +139,7 @@ class VllmEngine(Engine):
                 counts[out.index] += len(out.token_ids)
                 text = out.text
                 if decode_at_end:
-                    text = self.llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                    text = self._tokenizer.decode(out.token_ids, skip_special_tokens=True)
                 if text or out.finish_reason:
                     yield Delta(out.index, text, counts[out.index], out.finish_reason)
 

@@ -14,7 +14,6 @@ import time
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 
 from loopline.common import bus, subjects
