@@ -7,7 +7,7 @@ from sqlalchemy.orm import Session
 
 from loopline.common.db.engine import make_engine, migrate
 from loopline.common.db.rows import BatchRow, DeadLetterRow, RequestRow
-from loopline.common.schemas import BatchManifest, Choice, ErrorInfo, ResultItem, SamplingParams, WorkItem
+from loopline.common.schemas import Choice, ErrorInfo, ResultItem, SamplingParams, WorkItem
 from loopline.queue import ledger
 from loopline.queue.records import DeadLetter
 
@@ -115,15 +115,19 @@ def test_result_before_work_item_and_duplicates(engine):
     assert batches(engine)["g"].total == 2
 
 
-def test_batch_kind_total_and_manifest(engine):
+def test_batch_kind_and_total(engine):
     # An OpenAI request is a group of one with a bare id.
     ledger.write_work_items(engine, [work("chatcmpl-1", 0, request_id="chatcmpl-1")])
-    # Without a manifest the total grows with the highest index seen.
+    # Without the gateway's figures the total grows with the highest index seen.
     ledger.write_work_items(engine, [work("g", 1)])
     ledger.write_work_items(engine, [work("g", 4, at=50.0)])
-    # With one, the manifest is the truth.
-    manifest = BatchManifest(group="u", total=10, model="tiny", kind="upload", created_at=42.0)
-    ledger.write_work_items(engine, [work("u", 0)], {"u": manifest})
+    # With them, they are the truth, even when a result got there first and the kind was guessed
+    # from its id ("generate", for an id with an index).
+    ledger.write_results(engine, [result("u", 3)])
+    upload = work("u", 0, at=42.0).model_copy(update={"kind": "upload", "batch_total": 10})
+    ledger.write_work_items(engine, [upload])
+    # A later inferred sighting changes neither.
+    ledger.write_results(engine, [result("u", 0)])
 
     b = batches(engine)
     assert (b["chatcmpl-1"].kind, b["chatcmpl-1"].total) == ("openai", 1)

@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 from loopline.common import bus, launcher, subjects
 from loopline.common.db.engine import make_engine
 from loopline.common.db.rows import BatchRow, RequestRow
-from loopline.common.schemas import BatchManifest, Choice, ErrorInfo, ResultItem, SamplingParams, WorkItem
+from loopline.common.schemas import Choice, ErrorInfo, ResultItem, SamplingParams, WorkItem
 
 
 def work(group: str, index: int, request_id: str | None = None) -> WorkItem:
@@ -50,14 +50,12 @@ async def publish_result(js, item: ResultItem) -> None:
 async def test_work_then_results_reach_the_ledger(database_url, js, start_queue, eventually):
     proc = await start_queue(database_url=database_url)
 
-    # One /v1/generate batch with a manifest (as the gateway writes it), one OpenAI request without.
-    batches_kv = await js.key_value(subjects.BATCHES_BUCKET)
-    await batches_kv.put(
-        "g", BatchManifest(group="g", total=5, model="tiny", kind="generate").model_dump_json().encode()
-    )
+    # Three prompts of a /v1/generate batch of five, carrying the batch as the gateway writes it,
+    # and a hand-made OpenAI item without (its kind and total are inferred).
     # An id too long for its column: PostgreSQL refuses the row, which must not block the others.
     await publish_work(js, work("poison", 0, request_id="p" * 200))
-    items = [work("g", i) for i in range(3)] + [work("chatcmpl-9", 0, request_id="chatcmpl-9")]
+    items = [work("g", i).model_copy(update={"kind": "generate", "batch_total": 5}) for i in range(3)]
+    items.append(work("chatcmpl-9", 0, request_id="chatcmpl-9"))
     for item in items:
         await publish_work(js, item)
 
@@ -93,7 +91,7 @@ async def test_work_then_results_reach_the_ledger(database_url, js, start_queue,
 
         with Session(engine) as s:
             kinds = {b.group_id: (b.kind, b.total) for b in s.scalars(sa.select(BatchRow))}
-        assert kinds["g"] == ("generate", 5)  # the manifest's total, not the 3 seen so far
+        assert kinds["g"] == ("generate", 5)  # the gateway's total, not the 3 seen so far
         assert kinds["chatcmpl-9"] == ("openai", 1)
 
         # Nothing is stuck in the ledger's consumers (the refused row was dropped, not retried).

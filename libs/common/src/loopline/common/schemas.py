@@ -38,6 +38,10 @@ class WorkItem(BaseModel):
     # When set, inference also publishes token deltas on ``stream.<request_id>`` (core NATS).
     stream: bool = False
     submitted_at: float = Field(default_factory=time.time)
+    # The batch this prompt belongs to, as the gateway accepted it: what the ledger records for the
+    # group without a lookup per group. None (a hand-made item) leaves the ledger to infer them.
+    kind: Literal["generate", "upload", "openai"] | None = None
+    batch_total: int | None = None
 
 
 class ErrorInfo(BaseModel):

@@ -178,7 +178,8 @@ async def upload(file: UploadFile, request: Request):
     for n, (deployment, max_tokens, members) in enumerate(plans):
         items = [WorkItem(request_id=request_id(group, i), group=group, index=i, model=deployment.model,
                           prompt=p.text, messages=p.messages, adapter=deployment.adapter,
-                          sampling=SamplingParams(max_tokens=max_tokens))
+                          sampling=SamplingParams(max_tokens=max_tokens), kind="upload",
+                          batch_total=len(entries))
                  for i, p in members]
         # The manifest goes last: a batch is "known" only once all its work is durable.
         await bridge.submit(manifest if n == len(plans) - 1 else None, items, deployment.deployment)

@@ -65,7 +65,8 @@ async def submit_prompts(bridge: Bridge, deployment: Route, group: str, prompts:
     bridge.admit(deployment.deployment, len(prompts))
     items = [
         WorkItem(request_id=rid, group=group, index=i, model=deployment.model, prompt=p.text,
-                 messages=p.messages, sampling=sampling, stream=stream, adapter=deployment.adapter)
+                 messages=p.messages, sampling=sampling, stream=stream, adapter=deployment.adapter,
+                 kind=kind, batch_total=len(prompts))
         for i, (rid, p) in enumerate(zip(ids, prompts))
     ]
     # OpenAI requests are answered on the connection that made them, so they need no manifest;

@@ -9,14 +9,14 @@ work item or result may arrive twice, and a result may arrive before its work it
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import asdict
 
 from sqlalchemy import Engine, Table, case, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from loopline.common.db.rows import BatchRow, DeadLetterRow, RequestRow
-from loopline.common.schemas import BatchManifest, ResultItem, WorkItem
+from loopline.common.schemas import ResultItem, WorkItem
 from loopline.queue.records import DeadLetter, LedgerTotals
 
 QUEUED = "queued"
@@ -48,25 +48,24 @@ def _insert(engine: Engine, table: Table):
 # --- batches -------------------------------------------------------------------------------------
 
 
-def _batch_values(
-    seen: Iterable[tuple[str, str, int, str, float]], manifests: Mapping[str, BatchManifest]
-) -> list[dict]:
-    """One batches row per group from (group, request_id, index, model, at) sightings.
+def _batch_values(seen: Iterable[tuple[str, str, int, str, float, str | None, int | None]]) -> list[dict]:
+    """One batches row per group from (group, request_id, index, model, at, kind, total) sightings.
 
-    The gateway's manifest is the truth when we have it; otherwise the kind is read off the request
-    id and the total is the highest index seen so far plus one (grown by later writes).
+    The kind and total the gateway put on the work item are the truth when present; otherwise the
+    kind is read off the request id and the total is the highest index seen so far plus one (grown
+    by later writes). ``known`` says which of the two a row is.
     """
     rows: dict[str, dict] = {}
-    for group, request_id, index, model, at in seen:
+    for group, request_id, index, model, at, kind, total in seen:
         row = rows.get(group)
         if row is None:
-            manifest = manifests.get(group)
             row = rows[group] = {
                 "group_id": group,
-                "kind": manifest.kind if manifest else infer_kind(request_id),
-                "model": manifest.model if manifest else model,
-                "total": manifest.total if manifest else 0,
-                "created_at": manifest.created_at if manifest else at,
+                "kind": kind or infer_kind(request_id),
+                "model": model,
+                "total": total or 0,
+                "created_at": at,
+                "known": kind is not None,
             }
         row["total"] = max(row["total"], index + 1)
         row["created_at"] = min(row["created_at"], at)
@@ -74,28 +73,33 @@ def _batch_values(
 
 
 def _upsert_batches(conn, engine: Engine, values: list[dict]) -> None:
-    if not values:
-        return
-    ins = _insert(engine, BATCHES)
-    grows = ins.excluded.total > BATCHES.c.total
-    earlier = ins.excluded.created_at < BATCHES.c.created_at
-    stmt = ins.on_conflict_do_update(
-        index_elements=[BATCHES.c.group_id],
-        set_={
+    """Known rows (from the gateway's own figures) overwrite an inferred kind; inferred rows only
+    grow the total and move the creation time earlier, whichever arrives first."""
+    for known in (False, True):
+        rows = [{k: v for k, v in row.items() if k != "known"} for row in values if row["known"] is known]
+        if not rows:
+            continue
+        ins = _insert(engine, BATCHES)
+        grows = ins.excluded.total > BATCHES.c.total
+        earlier = ins.excluded.created_at < BATCHES.c.created_at
+        update = {
             "total": case((grows, ins.excluded.total), else_=BATCHES.c.total),
             "created_at": case((earlier, ins.excluded.created_at), else_=BATCHES.c.created_at),
-        },
-        where=grows | earlier,
-    )
-    conn.execute(stmt, values)
+        }
+        if known:
+            update["kind"] = ins.excluded.kind
+        stmt = ins.on_conflict_do_update(
+            index_elements=[BATCHES.c.group_id],
+            set_=update,
+            where=(grows | earlier | (ins.excluded.kind != BATCHES.c.kind)) if known else (grows | earlier),
+        )
+        conn.execute(stmt, rows)
 
 
 # --- requests ------------------------------------------------------------------------------------
 
 
-def write_work_items(
-    engine: Engine, items: list[WorkItem], manifests: Mapping[str, BatchManifest] | None = None
-) -> None:
+def write_work_items(engine: Engine, items: list[WorkItem]) -> None:
     """Record enqueued prompts as 'queued'. A row that exists (a redelivery, or a result that beat
     its work item here) keeps its status; only its enqueue time moves earlier to the true one."""
     if not items:
@@ -130,16 +134,14 @@ def write_work_items(
         where=ins.excluded.enqueued_at < REQUESTS.c.enqueued_at,
     )
     batches = _batch_values(
-        ((w.group, w.request_id, w.index, w.model, w.submitted_at) for w in ordered), manifests or {}
+        (w.group, w.request_id, w.index, w.model, w.submitted_at, w.kind, w.batch_total) for w in ordered
     )
     with engine.begin() as conn:
         _upsert_batches(conn, engine, batches)
         conn.execute(stmt, values)
 
 
-def write_results(
-    engine: Engine, results: list[ResultItem], manifests: Mapping[str, BatchManifest] | None = None
-) -> None:
+def write_results(engine: Engine, results: list[ResultItem]) -> None:
     """Record outcomes: 'completed', or 'failed' when the result carries an error. A result whose
     work item has not been seen yet creates the row; of two results for one request the one that
     finished last wins, which is also the one a client reading RESULTS last-by-subject sees."""
@@ -184,8 +186,8 @@ def write_results(
         where=REQUESTS.c.completed_at.is_(None) | (x.completed_at >= REQUESTS.c.completed_at),
     )
     batches = _batch_values(
-        ((r.group, r.request_id, r.index, r.model, r.started_at or r.finished_at) for r in ordered),
-        manifests or {},
+        (r.group, r.request_id, r.index, r.model, r.started_at or r.finished_at, None, None)
+        for r in ordered
     )
     with engine.begin() as conn:
         _upsert_batches(conn, engine, batches)

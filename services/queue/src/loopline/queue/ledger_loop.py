@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError
 from pydantic import BaseModel, ValidationError
 from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, IntegrityError
 
 from loopline.common import subjects
-from loopline.common.schemas import BatchManifest, ResultItem, WorkItem
+from loopline.common.schemas import ResultItem, WorkItem
 from loopline.queue import ledger
 
 log = logging.getLogger(__name__)
@@ -32,50 +30,6 @@ Item = TypeVar("Item", WorkItem, ResultItem)
 # How long one fetch waits for a first message; also the longest a shutdown waits on this loop.
 FETCH_WAIT_S = 1.0
 RETRY_DELAY_S = 1.0
-# A manifest lookup that failed for a reason other than "no such key": ask again next time.
-_UNKNOWN = object()
-
-
-class BatchManifests:
-    """The gateway's manifest of each group, looked up once per group in the BATCHES bucket.
-
-    A group with no manifest (an older gateway, or one that expired) is remembered as such, so the
-    writer falls back to inferring the batch from its requests without asking again.
-    """
-
-    def __init__(self, js: JetStreamContext, remember: int = 50_000) -> None:
-        self._js = js
-        self._remember = remember
-        self._known: OrderedDict[str, BatchManifest | None] = OrderedDict()
-
-    async def lookup(self, groups: Iterable[str]) -> dict[str, BatchManifest]:
-        found: dict[str, BatchManifest] = {}
-        for group in set(groups):
-            if group not in self._known:
-                manifest = await self._fetch(group)
-                if manifest is _UNKNOWN:
-                    continue  # not known either way; try again with the next message of the group
-                self._known[group] = manifest
-                if len(self._known) > self._remember:
-                    self._known.popitem(last=False)
-            manifest = self._known.get(group)
-            if manifest is not None:
-                found[group] = manifest
-        return found
-
-    async def _fetch(self, group: str):
-        try:
-            kv = await self._js.key_value(subjects.BATCHES_BUCKET)
-            entry = await kv.get(group)
-            return BatchManifest.model_validate_json(entry.value or b"")
-        except KeyNotFoundError:
-            return None
-        except ValidationError:
-            log.warning("batch manifest of %s does not parse; inferring the batch", group)
-            return None
-        except Exception as exc:  # noqa: BLE001 - a NATS hiccup must not stop the ledger
-            log.debug("manifest lookup for %s failed: %s", group, exc)
-            return _UNKNOWN
 
 
 @dataclass
@@ -86,7 +40,7 @@ class Feed(Generic[Item]):
     stream: str
     durable: str
     schema: type[Item]
-    write: Callable[[Engine, list[Item], Mapping[str, BatchManifest]], None]
+    write: Callable[[Engine, list[Item]], None]
 
 
 WORK_FEED = Feed(
@@ -101,9 +55,9 @@ async def run_feed(
     feed: Feed,
     js: JetStreamContext,
     engine: Engine,
-    manifests: BatchManifests,
     *,
     batch: int,
+    linger_s: float,
     stopping: asyncio.Event,
 ) -> None:
     sub = await js.pull_subscribe_bind(feed.durable, feed.stream)
@@ -134,8 +88,7 @@ async def run_feed(
                 await msg.term()
 
         try:
-            found = await manifests.lookup(item.group for item in items)
-            refused = await _write(feed, engine, items, good, found)
+            refused = await _write(feed, engine, items, good)
         except Exception:  # noqa: BLE001 - the database may be restarting; let JetStream retry
             log.exception(
                 "ledger %s: writing %d rows failed; they will be redelivered", feed.name, len(items)
@@ -151,12 +104,14 @@ async def run_feed(
                 await msg.term()
             else:
                 await msg.ack()
+        if len(msgs) < batch:
+            # Caught up: let the next rows gather instead of writing them a few at a time while
+            # a burst is still arriving; bigger transactions cost the shared CPU less per row.
+            await _sleep_unless(stopping, linger_s)
     await sub.unsubscribe()
 
 
-async def _write(
-    feed: Feed, engine: Engine, items: list, msgs: list[Msg], found: Mapping[str, BatchManifest]
-) -> list[Msg]:
+async def _write(feed: Feed, engine: Engine, items: list, msgs: list[Msg]) -> list[Msg]:
     """Write the batch in one transaction; returns the messages whose rows the database refused.
 
     A row the database refuses for its content (an id longer than its column, say) would fail the
@@ -164,7 +119,7 @@ async def _write(
     one row at a time and only the refused rows are dropped.
     """
     try:
-        await asyncio.to_thread(feed.write, engine, items, found)
+        await asyncio.to_thread(feed.write, engine, items)
         return []
     except (DataError, IntegrityError):
         if len(items) == 1:
@@ -174,7 +129,7 @@ async def _write(
             return list(msgs)
     refused: list[Msg] = []
     for item, msg in zip(items, msgs, strict=True):
-        refused += await _write(feed, engine, [item], [msg], found)
+        refused += await _write(feed, engine, [item], [msg])
     return refused
 
 

@@ -26,7 +26,7 @@ from loopline.queue.admission import Admission
 from loopline.queue.dead_letters import DeadLetters
 from loopline.queue.deployments import DeploymentDirectory
 from loopline.queue.endpoints import Endpoints
-from loopline.queue.ledger_loop import RESULTS_FEED, WORK_FEED, BatchManifests, run_feed
+from loopline.queue.ledger_loop import RESULTS_FEED, WORK_FEED, run_feed
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +56,11 @@ async def run(settings: QueueSettings) -> int:
     admission = Admission(
         nc, js, directory, max_depth=settings.max_queue_depth, interval_s=settings.state_interval_s
     )
-    manifests = BatchManifests(js)
     loops = {
-        "ledger-work": run_feed(
-            WORK_FEED, js, engine, manifests, batch=settings.ledger_batch, stopping=stopping
-        ),
-        "ledger-results": run_feed(
-            RESULTS_FEED, js, engine, manifests, batch=settings.ledger_batch, stopping=stopping
-        ),
+        "ledger-work": run_feed(WORK_FEED, js, engine, batch=settings.ledger_batch,
+                                linger_s=settings.ledger_linger_s, stopping=stopping),
+        "ledger-results": run_feed(RESULTS_FEED, js, engine, batch=settings.ledger_batch,
+                                   linger_s=settings.ledger_linger_s, stopping=stopping),
         "deployments": directory.run(stopping),
         "admission": admission.run(stopping),
         "dead-letters": DeadLetters(nc, js, engine).run(stopping),
