@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.errors import NotFoundError
+from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 
 from loopline.common import bus, subjects
 from loopline.common.job_schemas import JobInfo, JobRef
@@ -87,17 +87,28 @@ class Bridge:
 
     # --- models -----------------------------------------------------------------------------------
     async def refresh_models(self) -> None:
+        """Re-read the served models. A read that fails for another reason than "nothing there"
+        (NATS busy or reconnecting) keeps what we knew: under load a timed-out ``keys()`` used to
+        empty the registry, and requests for a served model got 404 until the next refresh."""
         try:
             keys = await self.models_kv.keys()
-        except Exception:  # noqa: BLE001 - "no keys found" is an exception in nats-py
+        except NoKeysError:
             keys = []
+        except Exception as exc:  # noqa: BLE001 - keep the last known registry
+            log.debug("model refresh failed: %s", exc)
+            return
+        known = {info.deployment: info for info in self.models.values()}
         models = {}
         for key in keys:
             try:
-                entry = await self.models_kv.get(key)
-            except Exception:  # noqa: BLE001 - deleted between keys() and get()
+                info = DeploymentInfo.model_validate_json((await self.models_kv.get(key)).value)
+            except KeyNotFoundError:  # deleted between keys() and get()
                 continue
-            info = DeploymentInfo.model_validate_json(entry.value)
+            except Exception as exc:  # noqa: BLE001 - unreadable now: keep what we had for it
+                log.debug("reading model %s failed: %s", key, exc)
+                info = known.get(key)
+                if info is None:
+                    continue
             models[info.model] = info
         self.models = models
 
@@ -113,7 +124,8 @@ class Bridge:
         """Where ``model`` goes: a served model by name (``None``: the default model), a job hash
         (its newest loaded adapter on the job's base model) or ``latest`` (the job loaded last)."""
         name = name or self.settings.model
-        if name not in self.models:
+        # A deployed job hash is not a model name: no need to re-read the models for it.
+        if name not in self.models and not self.adapters.deployed(name):
             await self.refresh_models()
         if name in self.models:
             return Route(self.models[name], name)

@@ -1,0 +1,63 @@
+"""The gateway's registry of served models survives a NATS read that fails under load."""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import NoKeysError
+
+from loopline.common.schemas import DeploymentInfo
+from loopline.common.settings import GatewaySettings
+from loopline.gateway.bridge import Bridge
+
+
+class _Entry:
+    def __init__(self, value: bytes):
+        self.value = value
+
+
+class _FlakyBucket:
+    """Stands in for the MODELS bucket: answers, times out, or holds nothing, as told."""
+
+    def __init__(self, infos: list[DeploymentInfo]):
+        self.infos = {i.deployment: i for i in infos}
+        self.fail_keys = False
+        self.fail_get = False
+
+    async def keys(self):
+        if self.fail_keys:
+            raise NatsTimeoutError()
+        if not self.infos:
+            raise NoKeysError()
+        return list(self.infos)
+
+    async def get(self, key):
+        if self.fail_get:
+            raise NatsTimeoutError()
+        return _Entry(self.infos[key].model_dump_json().encode())
+
+
+def test_failed_reads_keep_the_known_models_and_an_empty_bucket_empties_them():
+    info = DeploymentInfo(model="tiny", deployment="tiny", max_model_len=256, engine="vllm")
+    bridge = Bridge(GatewaySettings())
+    bucket = _FlakyBucket([info])
+    bridge.models_kv = bucket
+
+    async def scenario() -> list[set[str]]:
+        seen = []
+        await bridge.refresh_models()
+        seen.append(set(bridge.models))
+        bucket.fail_keys = True  # keys() timing out used to empty the registry
+        await bridge.refresh_models()
+        seen.append(set(bridge.models))
+        bucket.fail_keys, bucket.fail_get = False, True
+        await bridge.refresh_models()
+        seen.append(set(bridge.models))
+        bucket.fail_get = False
+        bucket.infos = {}  # the replica is gone for good
+        await bridge.refresh_models()
+        seen.append(set(bridge.models))
+        return seen
+
+    assert asyncio.run(scenario()) == [{"tiny"}, {"tiny"}, {"tiny"}, set()]
