@@ -1,6 +1,7 @@
 """Serving overhead: the same prompts through the engine in-process and through the whole platform.
 
-    python bench/serving.py [--model tiny] [--prompts 64] [--max-tokens 32] [--out bench/results/serving.json]
+    python bench/serving.py [--model tiny] [--prompts 64] [--max-tokens 32] [--rounds 15]
+                            [--out bench/results/serving.json]
 
 One run measures, on the same deterministic prompts (greedy, same ``max_tokens``):
 
@@ -9,12 +10,17 @@ One run measures, on the same deterministic prompts (greedy, same ``max_tokens``
   (b) platform: HTTP -> gateway -> NATS JetStream -> inference replica -> NATS -> gateway -> HTTP,
       started with ``LocalStack`` exactly as ``make up`` does.
 
-For each path: throughput (every prompt at once), latency (one request at a time) and time to first
-token (one streaming request at a time). It prints b against a and PASS/MISS next to each target,
-and for (b) where the time of a request goes, hop by hop, from the timestamps the messages carry
-(``WorkItem.submitted_at``, ``ResultItem.started_at``/``finished_at``) and from a NATS subscriber of
-its own. The two paths run one after the other, never together, so they do not share the CPUs.
-It always exits 0: the targets are reported, not enforced.
+Both stay up for the whole run and take turns, never running together: every throughput round is
+one burst of all prompts through (a) and one through (b) (the order alternates), and the latency
+and time-to-first-token passes send each prompt through (a) and then (b) (again alternating). So
+every figure of (b) has a figure of (a) taken a moment apart: on a shared 2-core virtual machine
+the speed of the CPUs themselves drifts by tens of percent over seconds, and comparing passes
+taken minutes apart measured that drift more than the platform. The throughput ratio reported is
+the median of the rounds' ratios; the range says how much they spread.
+
+Before (a) runs, the platform's bookkeeping of the previous (b) burst (the ledger's consumers) has
+caught up, so (a) never shares the CPUs with (b)'s leftovers. It always exits 0: the targets are
+reported, not enforced.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import os
 import platform
 import random
 import shutil
+import sqlite3
 import sys
 import tempfile
 import time
@@ -50,6 +57,8 @@ ENV_SHOWN = ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_S
 NOISY_SHARE = 0.10
 MAX_NUM_SEQS = 64  # InferenceSettings.max_inflight, which the service passes as max_num_seqs
 DTYPE = "auto"
+# Pause between two bursts, after the platform's bookkeeping has caught up.
+SETTLE_S = 0.2
 
 _WORDS = (
     "the a of to in on for with and or but not is are was be have do will can this that it they "
@@ -91,14 +100,15 @@ def summary(values: list[float]) -> dict:
 
 
 class CpuMeter:
-    """CPU seconds each role's processes spent during a pass, and what the rest of the machine spent.
+    """CPU seconds each role's processes spent during a pass, summed over the pass's turns, and what
+    the rest of the machine spent meanwhile.
 
     The machine has few cores and others may use them: the "other" column says how quiet it was.
     """
 
-    def __init__(self, roles: dict[str, tuple[int, bool]]):
-        # role -> (pid, count its descendants too)
-        self.roles = roles
+    def __init__(self, roles: dict[str, tuple[int, bool] | list[tuple[int, bool]]]):
+        # role -> (pid, count its descendants too), or a list of them for a role of several processes
+        self.roles = {r: v if isinstance(v, list) else [v] for r, v in roles.items()}
         try:
             import psutil  # noqa: F401 - comes with vLLM; without it the CPU table is left out
         except ImportError:
@@ -132,119 +142,123 @@ class CpuMeter:
         return sum(v for k, v in t._asdict().items() if k not in ("idle", "iowait", "guest", "guest_nice"))
 
     def start(self, name: str) -> None:
-        cpu = {r: self._cpu(pid, rec) for r, (pid, rec) in self.roles.items()}
-        self.marks[name] = (time.perf_counter(), cpu, self._machine_busy() if self.roles else 0.0)
+        if not self.roles:
+            return
+        cpu = {r: sum(self._cpu(pid, rec) for pid, rec in procs) for r, procs in self.roles.items()}
+        self.marks[name] = (time.perf_counter(), cpu, self._machine_busy())
 
     def stop(self, name: str) -> None:
+        if not self.roles:
+            return
         wall0, cpu0, busy0 = self.marks.pop(name)
         wall = time.perf_counter() - wall0
-        cpu = {r: self._cpu(pid, rec) - cpu0[r] for r, (pid, rec) in self.roles.items()}
-        busy = self._machine_busy() - busy0 if self.roles else 0.0
-        self.passes[name] = {"wall_s": wall, "cpu_s": cpu, "other_cpu_s": max(busy - sum(cpu.values()), 0.0),
-                             "machine_cpu_s": busy}
+        cpu = {r: sum(self._cpu(pid, rec) for pid, rec in procs) - cpu0[r] for r, procs in self.roles.items()}
+        busy = self._machine_busy() - busy0
+        acc = self.passes.setdefault(name, {"wall_s": 0.0, "cpu_s": dict.fromkeys(cpu, 0.0),
+                                            "other_cpu_s": 0.0, "machine_cpu_s": 0.0, "turns": 0})
+        acc["wall_s"] += wall
+        for r, v in cpu.items():
+            acc["cpu_s"][r] += v
+        acc["other_cpu_s"] += max(busy - sum(cpu.values()), 0.0)
+        acc["machine_cpu_s"] += busy
+        acc["turns"] += 1
+
+
+@dataclass
+class Sample:
+    """One request as the caller saw it; ``group``/``sent``/``received`` are (b)'s only."""
+
+    total: float
+    ttft: float
+    tokens: int
+    text: str
+    group: str = ""
+    sent: float = 0.0
+    received: float = 0.0
 
 
 @dataclass
 class PathResult:
     """What one path measured; times in seconds, per prompt index where it is a list."""
 
-    throughput_wall_s: float = 0.0
-    throughput_tokens: int = 0
-    throughput_tokens_per_prompt: list[int] = field(default_factory=list)
+    round_wall_s: list[float] = field(default_factory=list)
+    round_tokens: list[list[int]] = field(default_factory=list)  # per round, per prompt
+    texts: list[str] = field(default_factory=list)  # of the first round
     latency_s: list[float] = field(default_factory=list)
     latency_tokens: list[int] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
     stream_total_s: list[float] = field(default_factory=list)
     stream_tokens: list[int] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
     startup_s: float = 0.0
     cpu: dict = field(default_factory=dict)
-    burst_hops: list[dict] = field(default_factory=list)  # (b) only: the throughput pass's Hops
+    burst_hops: list[dict] = field(default_factory=list)  # (b) only: the last round's timeline
 
-    @property
-    def tok_per_s(self) -> float:
-        return self.throughput_tokens / self.throughput_wall_s if self.throughput_wall_s else 0.0
+    def round_tok_per_s(self) -> list[float]:
+        return [sum(t) / w for t, w in zip(self.round_tokens, self.round_wall_s)]
 
 
 # --- (a) the engine in-process ------------------------------------------------------------------------------
-async def bench_engine(model_path: str, model_name: str, prompts: list[str], warmup: list[str],
-                       max_tokens: int, adapters: bool) -> PathResult:
-    from transformers import AutoTokenizer
+class EnginePath:
+    """The very engine a replica runs: the service's factory and adapter settings (run-time adapters
+    make vLLM set up its LoRA machinery, which costs base requests too) and its tokenization."""
 
-    from loopline.common.schemas import SamplingParams, WorkItem
-    from loopline.inference.prompts import PromptBuilder
-    from loopline.common.settings import InferenceSettings
-    from loopline.inference.engine import make_engine
+    label = "(a) engine"
 
-    res = PathResult()
-    t0 = time.perf_counter()
-    # The service's own factory and adapter settings, so (a) runs the very engine a replica runs
-    # (run-time adapters make vLLM set up its LoRA machinery, which costs base requests too).
-    defaults = InferenceSettings()
-    engine = make_engine("vllm", model_path, max_model_len=None, max_inflight=MAX_NUM_SEQS, dtype=DTYPE,
-                         adapters=adapters, max_adapters=defaults.max_adapters,
-                         max_adapter_rank=defaults.max_adapter_rank)
-    await engine.start()
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    builder = PromptBuilder(tokenizer, engine.info.max_model_len)
-    res.startup_s = time.perf_counter() - t0
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    def __init__(self, model_path: str, model_name: str, max_tokens: int, adapters: bool):
+        self.model_path, self.model_name, self.adapters = model_path, model_name, adapters
+        self.max_tokens = max_tokens
+        self.engine = None
+        self.builder = None
+        self.startup_s = 0.0
 
-    async def one(text: str, stream: bool = False) -> tuple[float, float, int, str]:
-        """(total, ttft, tokens, text); tokenization counts, as the replica does it per request.
-        ``stream`` as (b)'s requests: deltas only for the time-to-first-token pass."""
+    async def start(self) -> None:
+        from transformers import AutoTokenizer
+
+        from loopline.common.settings import InferenceSettings
+        from loopline.inference.engine import make_engine
+        from loopline.inference.prompts import PromptBuilder
+
+        t0 = time.perf_counter()
+        defaults = InferenceSettings()
+        self.engine = make_engine("vllm", self.model_path, max_model_len=None, max_inflight=MAX_NUM_SEQS,
+                                  dtype=DTYPE, adapters=self.adapters, max_adapters=defaults.max_adapters,
+                                  max_adapter_rank=defaults.max_adapter_rank)
+        await self.engine.start()
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.builder = PromptBuilder(tokenizer, self.engine.info.max_model_len)
+        self.startup_s = time.perf_counter() - t0
+
+    def roles(self) -> dict[str, tuple[int, bool]]:
+        # AsyncLLM runs its engine core in a child process whatever VLLM_ENABLE_V1_MULTIPROCESSING says.
+        return {"frontend (this process)": (os.getpid(), False),
+                "engine core": (_child_pid(os.getpid()), True)}
+
+    async def one(self, text: str, stream: bool = False) -> Sample:
+        """Tokenization counts, as the replica does it per request; ``stream`` as (b)'s requests:
+        deltas only for the time-to-first-token pass."""
+        from loopline.common.schemas import SamplingParams, WorkItem
+
         start = time.perf_counter()
         rid = uuid.uuid4().hex
-        item = WorkItem(request_id=rid, group=rid, index=0, model=model_name, prompt=text,
-                        sampling=sampling, stream=stream)
-        request = builder.build(item)
+        item = WorkItem(request_id=rid, group=rid, index=0, model=self.model_name, prompt=text,
+                        sampling=SamplingParams(max_tokens=self.max_tokens, temperature=0.0), stream=stream)
+        request = self.builder.build(item)
         first = None
         tokens = 0
         out = []
-        async for delta in engine.generate(request):
+        async for delta in self.engine.generate(request):
             if first is None and delta.text:
                 first = time.perf_counter() - start
             tokens = delta.tokens
             out.append(delta.text)
-        return time.perf_counter() - start, first if first is not None else float("nan"), tokens, "".join(out)
+        return Sample(time.perf_counter() - start, first if first is not None else float("nan"), tokens,
+                      "".join(out))
 
-    # AsyncLLM runs its engine core in a child process whatever VLLM_ENABLE_V1_MULTIPROCESSING says.
-    meter = CpuMeter({"frontend (this process)": (os.getpid(), False), "engine core": (-1, True)})
-    try:
-        for text in warmup[:WARMUP_SEQUENTIAL]:
-            await one(text)
-        await asyncio.gather(*(one(t) for t in warmup))
-        if meter.roles:
-            meter.roles["engine core"] = (_child_pid(os.getpid()), True)
-
-        meter.start("throughput")
-        start = time.perf_counter()
-        outs = await asyncio.gather(*(one(t) for t in prompts))
-        res.throughput_wall_s = time.perf_counter() - start
-        meter.stop("throughput")
-        res.throughput_tokens_per_prompt = [o[2] for o in outs]
-        res.throughput_tokens = sum(res.throughput_tokens_per_prompt)
-        res.texts = [o[3] for o in outs]
-
-        meter.start("latency")
-        for text in prompts:
-            total, _ttft, tokens, _ = await one(text)
-            res.latency_s.append(total)
-            res.latency_tokens.append(tokens)
-        meter.stop("latency")
-        meter.start("ttft")
-        for text in prompts:
-            total, ttft, tokens, _ = await one(text, stream=True)
-            res.ttft_s.append(ttft)
-            res.stream_total_s.append(total)
-            res.stream_tokens.append(tokens)
-        meter.stop("ttft")
-        res.cpu = meter.passes
-    finally:
-        await engine.stop()
-        del engine
-        gc.collect()
-    return res
+    async def stop(self) -> None:
+        if self.engine is not None:
+            await self.engine.stop()
+            self.engine = None
+            gc.collect()
 
 
 def _child_pid(pid: int) -> int:
@@ -268,6 +282,68 @@ def _child_pid(pid: int) -> int:
 
 
 # --- (b) HTTP -> gateway -> NATS -> inference ---------------------------------------------------------------
+class PlatformPath:
+    """The platform through its OpenAI route, from an aiohttp client.
+
+    The client shares the machine with what it measures, so it should cost as little as possible:
+    per request aiohttp spent about a third of the CPU httpx did here (a real client runs
+    elsewhere). Its CPU is still counted in the table, as "client (this process)".
+    """
+
+    label = "(b) platform"
+
+    def __init__(self, stack, model_name: str, max_tokens: int):
+        self.stack = stack
+        self.body = {"model": model_name, "max_tokens": max_tokens, "temperature": 0}
+        self.session = None
+        self.startup_s = 0.0
+
+    async def start(self) -> None:
+        import aiohttp
+
+        # No connection limit: a burst gets one connection per request, as independent clients would.
+        self.session = aiohttp.ClientSession(base_url=self.stack.url,
+                                             connector=aiohttp.TCPConnector(limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=600))
+
+    def roles(self) -> dict[str, tuple[int, bool]]:
+        return platform_roles(self.stack)
+
+    async def one(self, text: str, stream: bool = False) -> Sample:
+        payload = {**self.body, "prompt": text}
+        if stream:
+            payload |= {"stream": True, "stream_options": {"include_usage": True}}
+        sent = time.time()
+        start = time.perf_counter()
+        async with self.session.post("/v1/completions", json=payload) as r:
+            r.raise_for_status()
+            if not stream:
+                data = await r.json()
+                total = time.perf_counter() - start
+                return Sample(total, float("nan"), data["usage"]["completion_tokens"],
+                              data["choices"][0]["text"], data["id"].removeprefix("cmpl-"), sent, time.time())
+            first = None
+            tokens = 0
+            out = []
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if first is None:
+                        first = time.perf_counter() - start
+                    out.append(chunk["choices"][0]["text"])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        return Sample(time.perf_counter() - start, first if first is not None else float("nan"), tokens,
+                      "".join(out))
+
+    async def stop(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+
 @dataclass
 class Hops:
     """Timestamps (time.time()) of one non-streaming request, from the client and from NATS."""
@@ -283,20 +359,24 @@ class Hops:
 
 
 class Tap:
-    """Watches work items and results on core NATS to time each hop of a request."""
+    """Watches work items and results on core NATS to time each hop of a request (latency pass
+    only: in a burst its own callbacks would take CPU from what it measures), and tells when the
+    ledger has caught up."""
 
     def __init__(self, nats_url: str):
         self.nats_url = nats_url
         self.work: dict[str, tuple[float, float]] = {}      # group -> (submitted_at, seen)
         self.results: dict[str, tuple[float, float, float]] = {}  # group -> (started, finished, seen)
         self.nc = None
+        self.subs = []
 
     async def open(self) -> None:
         import nats
 
-        from loopline.common import subjects
-
         self.nc = await nats.connect(self.nats_url, name="bench-tap")
+
+    async def watch(self) -> None:
+        from loopline.common import subjects
 
         async def on_work(msg) -> None:
             seen = time.time()
@@ -308,9 +388,28 @@ class Tap:
             item = json.loads(msg.data)
             self.results[item["group"]] = (item["started_at"], item["finished_at"], seen)
 
-        await self.nc.subscribe(subjects.WORK_ALL, cb=on_work)
-        await self.nc.subscribe(subjects.RESULTS_ALL, cb=on_result)
+        self.subs = [await self.nc.subscribe(subjects.WORK_ALL, cb=on_work),
+                     await self.nc.subscribe(subjects.RESULTS_ALL, cb=on_result)]
         await self.nc.flush()
+
+    async def unwatch(self) -> None:
+        for sub in self.subs:
+            await sub.unsubscribe()
+        self.subs = []
+
+    async def ledger_caught_up(self, timeout_s: float = 10.0) -> bool:
+        """Both ledger consumers have nothing pending or unacked (or ``timeout_s`` passed)."""
+        from loopline.common import subjects
+
+        js = self.nc.jetstream()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            infos = [await js.consumer_info(subjects.WORK_STREAM, subjects.LEDGER_WORK_DURABLE),
+                     await js.consumer_info(subjects.RESULTS_STREAM, subjects.LEDGER_RESULTS_DURABLE)]
+            if all(not i.num_pending and not i.num_ack_pending for i in infos):
+                return True
+            await asyncio.sleep(0.05)
+        return False
 
     async def close(self) -> None:
         if self.nc is not None:
@@ -341,103 +440,99 @@ def platform_roles(stack) -> dict[str, tuple[int, bool]]:
         "gateway": (stack.gateway.pid, True),
         "nats-server": (stack.nats.pid, True),
         "queue": (stack.queue.pid, True),
+        "trainer": (stack.trainer.pid, True),
+        "checkpoint-watcher": (stack.checkpoint_watcher.pid, True),
         "replica (worker+AsyncLLM)": (replica.pid, False),
         "engine core": (_child_pid(replica.pid), True),
     }
 
 
-async def bench_platform(stack_url: str, nats_url: str, model_name: str, prompts: list[str],
-                         warmup: list[str], max_tokens: int,
-                         roles: dict[str, tuple[int, bool]]) -> tuple[PathResult, list[Hops]]:
-    import httpx
+def burst_timeline(ledger_db: Path, samples: list[Sample]) -> list[dict]:
+    """The last (b) round as the ledger recorded it: when each prompt's work item was built
+    (enqueued_at), started by the replica and finished, next to the client's send and receive."""
+    by_group = {s.group: s for s in samples}
+    with contextlib.closing(sqlite3.connect(f"file:{ledger_db}?mode=ro", uri=True)) as db:
+        marks = ",".join("?" * len(by_group))
+        rows = db.execute(f"SELECT group_id, enqueued_at, started_at, completed_at FROM requests "
+                          f"WHERE group_id IN ({marks})", list(by_group)).fetchall()
+    return [{"sent": by_group[g].sent, "submitted": q, "started": s, "finished": f,
+             "received": by_group[g].received} for g, q, s, f in rows if s and f]
 
-    res = PathResult()
-    meter = CpuMeter(roles)
-    hops: list[Hops] = []
-    tap = Tap(nats_url)
-    await tap.open()
-    body = {"model": model_name, "max_tokens": max_tokens, "temperature": 0}
-    # One single-connection client per concurrent request: one client with a 64-connection pool
-    # spends most of its CPU in httpcore's pool bookkeeping, which walks every connection (with a
-    # poll() on each idle socket) on every request and release — O(n²) per burst — and on 2 cores
-    # that steals CPU from the very services being measured.
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    clients = [httpx.AsyncClient(base_url=stack_url, timeout=600, limits=limits) for _ in prompts]
 
-    async with contextlib.AsyncExitStack() as exit_stack:
-        for c in clients:
-            await exit_stack.enter_async_context(c)
+# --- the run: (a) and (b) take turns ---------------------------------------------------------------------
+async def measure(a: EnginePath, b: PlatformPath, tap: Tap, prompts: list[str], warmup: list[str],
+                  rounds: int, ledger_db: Path) -> tuple[PathResult, PathResult, list[Hops]]:
+    results = {a: PathResult(startup_s=a.startup_s), b: PathResult(startup_s=b.startup_s)}
+    # Both paths stay up: while (a) runs, the idle platform's own timers (admission state, the
+    # watcher's rescan, the trainer's reconcile) still take a little CPU, shown as a role of (a).
+    idle_platform = [v for k, v in b.roles().items() if k != "client (this process)"]
+    meters = {a: CpuMeter({**a.roles(), "platform, idle": idle_platform}), b: CpuMeter(b.roles())}
 
-        async def one(text: str, slot: int = 0) -> tuple[float, int, str, str, float, float]:
-            """A burst gives each request its own slot (connection); one at a time reuses slot 0."""
-            client = clients[slot % len(clients)]
-            sent = time.time()
+    async def settle() -> None:
+        # (b)'s ledger writes come after its answers; let them finish before anything else runs.
+        await tap.ledger_caught_up()
+        await asyncio.sleep(SETTLE_S)
+
+    def turns(i: int) -> tuple:
+        return (a, b) if i % 2 == 0 else (b, a)
+
+    for path in (a, b):
+        for text in warmup[:WARMUP_SEQUENTIAL]:
+            await path.one(text)
+            await path.one(text, stream=True)
+        await asyncio.gather(*(path.one(t) for t in warmup))
+    # As the replica does once it is up (inference/service.py): the engine's long-lived heap out of
+    # the collector's way, so (a) and this process's client do not pause for it.
+    gc.collect()
+    gc.freeze()
+
+    last_b: list[Sample] = []
+    for r in range(rounds):
+        for path in turns(r):
+            await settle()
+            meters[path].start("throughput")
             start = time.perf_counter()
-            r = await client.post("/v1/completions", json={**body, "prompt": text})
-            total = time.perf_counter() - start
-            received = time.time()
-            r.raise_for_status()
-            data = r.json()
-            group = data["id"].removeprefix("cmpl-")
-            text_out = data["choices"][0]["text"]
-            return total, data["usage"]["completion_tokens"], text_out, group, sent, received
+            outs = await asyncio.gather(*(path.one(t) for t in prompts))
+            wall = time.perf_counter() - start
+            meters[path].stop("throughput")
+            res = results[path]
+            res.round_wall_s.append(wall)
+            res.round_tokens.append([o.tokens for o in outs])
+            if r == 0:
+                res.texts = [o.text for o in outs]
+            if path is b:
+                last_b = outs
 
-        async def one_stream(text: str) -> tuple[float, float, int]:
-            start = time.perf_counter()
-            first = None
-            tokens = 0
-            payload = {**body, "prompt": text, "stream": True, "stream_options": {"include_usage": True}}
-            async with clients[0].stream("POST", "/v1/completions", json=payload) as r:
-                r.raise_for_status()
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if first is None and chunk.get("choices") and chunk["choices"][0].get("text"):
-                        first = time.perf_counter() - start
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-            return time.perf_counter() - start, first if first is not None else float("nan"), tokens
+    await settle()
+    if ledger_db.exists():
+        results[b].burst_hops = burst_timeline(ledger_db, last_b)
 
-        try:
-            for text in warmup[:WARMUP_SEQUENTIAL]:
-                await one(text)
-                await one_stream(text)
-            await asyncio.gather(*(one(t, i) for i, t in enumerate(warmup)))
-
-            meter.start("throughput")
-            start = time.perf_counter()
-            outs = await asyncio.gather(*(one(t, i) for i, t in enumerate(prompts)))
-            res.throughput_wall_s = time.perf_counter() - start
-            meter.stop("throughput")
-            res.throughput_tokens_per_prompt = [o[1] for o in outs]
-            res.throughput_tokens = sum(res.throughput_tokens_per_prompt)
-            res.texts = [o[2] for o in outs]
-            burst = [(i, o[3], o[4], o[5]) for i, o in enumerate(outs)]
-
-            timed = []
-            meter.start("latency")
-            for i, text in enumerate(prompts):
-                total, tokens, _text, group, sent, received = await one(text)
-                res.latency_s.append(total)
-                res.latency_tokens.append(tokens)
-                timed.append((i, group, sent, received))
-            meter.stop("latency")
-            meter.start("ttft")
-            for text in prompts:
-                total, ttft, tokens = await one_stream(text)
-                res.ttft_s.append(ttft)
-                res.stream_total_s.append(total)
-                res.stream_tokens.append(tokens)
-            meter.stop("ttft")
-            res.cpu = meter.passes
-            # The tap's callbacks may run after the client already has its answer: look up last.
-            await asyncio.sleep(0.2)
-            hops = [h for h in (tap.hops(*t) for t in timed) if h is not None]
-            res.burst_hops = [asdict(h) for h in (tap.hops(*t) for t in burst) if h is not None]
-        finally:
-            await tap.close()
-    return res, hops
+    await tap.watch()
+    timed = []
+    for i, text in enumerate(prompts):
+        for path in turns(i):
+            meters[path].start("latency")
+            sample = await path.one(text)
+            meters[path].stop("latency")
+            results[path].latency_s.append(sample.total)
+            results[path].latency_tokens.append(sample.tokens)
+            if path is b:
+                timed.append((i, sample.group, sample.sent, sample.received))
+    for i, text in enumerate(prompts):
+        for path in turns(i):
+            meters[path].start("ttft")
+            sample = await path.one(text, stream=True)
+            meters[path].stop("ttft")
+            results[path].ttft_s.append(sample.ttft)
+            results[path].stream_total_s.append(sample.total)
+            results[path].stream_tokens.append(sample.tokens)
+    # The tap's callbacks may run after the client already has its answer: look up last.
+    await asyncio.sleep(0.2)
+    await tap.unwatch()
+    hops = [h for h in (tap.hops(*t) for t in timed) if h is not None]
+    for path in (a, b):
+        results[path].cpu = meters[path].passes
+    return results[a], results[b], hops
 
 
 # --- report -----------------------------------------------------------------------------------------------
@@ -449,8 +544,12 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
     ms = 1000.0
     added = [(lb - la) * ms for la, lb in zip(a.latency_s, b.latency_s)]
     added_ttft = [(tb - ta) * ms for ta, tb in zip(a.ttft_s, b.ttft_s)]
-    ratio = b.tok_per_s / a.tok_per_s if a.tok_per_s else 0.0
-    same_tokens = (a.throughput_tokens == b.throughput_tokens and a.latency_tokens == b.latency_tokens
+    tps_a, tps_b = a.round_tok_per_s(), b.round_tok_per_s()
+    ratios = [y / x for x, y in zip(tps_a, tps_b)]
+    ratio = percentile(ratios, 50)
+    pooled = ((sum(map(sum, b.round_tokens)) / sum(b.round_wall_s))
+              / (sum(map(sum, a.round_tokens)) / sum(a.round_wall_s)))
+    same_tokens = (a.round_tokens == b.round_tokens and a.latency_tokens == b.latency_tokens
                    and a.stream_tokens == b.stream_tokens)
     same_text = a.texts == b.texts
     added_p50 = percentile(added, 50)
@@ -465,19 +564,23 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
     outside = [(h.received - h.sent - (h.finished - h.started)) * ms for h in hops]
 
     n = len(a.latency_s)
+    rounds = len(ratios)
     print()
     print(f"Loopline serving benchmark — model {args.model!r} ({model_path}), {n} prompts, "
-          f"max_tokens {args.max_tokens}, greedy, run-time adapters {'on' if args.adapters else 'off'}")
-    print(f"  (a) VllmEngine in-process      (b) HTTP -> gateway -> NATS -> inference replica")
+          f"max_tokens {args.max_tokens}, greedy, run-time adapters {'on' if args.adapters else 'off'}, "
+          f"{rounds} throughput rounds")
+    print("  (a) VllmEngine in-process      (b) HTTP -> gateway -> NATS -> inference replica")
     print("  " + " ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in ENV_SHOWN))
     print()
-    row = "{:<34}{:>14}{:>14}{:>14}"
+    row = "{:<36}{:>14}{:>14}{:>14}"
     print(row.format("", "(a) engine", "(b) platform", "b - a / b/a"))
-    print(row.format("throughput, tok/s", f"{a.tok_per_s:.1f}", f"{b.tok_per_s:.1f}", f"x{ratio:.3f}"))
-    print(row.format("throughput wall, s", f"{a.throughput_wall_s:.3f}", f"{b.throughput_wall_s:.3f}",
-                     f"{b.throughput_wall_s - a.throughput_wall_s:+.3f}"))
-    print(row.format("generated tokens (throughput)", a.throughput_tokens, b.throughput_tokens,
-                     "same" if a.throughput_tokens == b.throughput_tokens else "DIFFERENT"))
+    print(row.format("throughput, tok/s (median round)", f"{percentile(tps_a, 50):.1f}",
+                     f"{percentile(tps_b, 50):.1f}", f"x{ratio:.3f}"))
+    print(row.format("throughput, tok/s (all rounds)", "", "", f"x{pooled:.3f}"))
+    print(row.format("burst wall, ms (median round)", f"{percentile(a.round_wall_s, 50) * ms:.0f}",
+                     f"{percentile(b.round_wall_s, 50) * ms:.0f}", ""))
+    print(row.format("generated tokens per round", sum(a.round_tokens[0]), sum(b.round_tokens[0]),
+                     "same" if a.round_tokens == b.round_tokens else "DIFFERENT"))
     for q in (50, 90, 99):
         la, lb = percentile(a.latency_s, q) * ms, percentile(b.latency_s, q) * ms
         print(row.format(f"latency p{q}, ms", f"{la:.2f}", f"{lb:.2f}", f"{lb - la:+.2f}"))
@@ -489,9 +592,11 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
     print(row.format("added TTFT p50 (per prompt), ms", "", "", f"{percentile(added_ttft, 50):+.2f}"))
     print(row.format("startup, s", f"{a.startup_s:.1f}", f"{b.startup_s:.1f}", ""))
     print()
-    print(f"  tokens equal on every pass: {same_tokens}   texts equal (throughput pass): {same_text}")
+    print(f"  round ratios b/a: min {min(ratios):.3f}, p25 {percentile(ratios, 25):.3f}, "
+          f"p75 {percentile(ratios, 75):.3f}, max {max(ratios):.3f}")
+    print(f"  tokens equal on every pass: {same_tokens}   texts equal (first round): {same_text}")
     print()
-    print(f"  throughput b/a = {ratio:.3f}  (target >= {TARGET_THROUGHPUT_RATIO})  "
+    print(f"  throughput b/a = {ratio:.3f}, median of {rounds} rounds  (target >= {TARGET_THROUGHPUT_RATIO})  "
           f"{verdict(ratio >= TARGET_THROUGHPUT_RATIO)}")
     print(f"  added latency p50 = {added_p50:.2f} ms  (target <= {TARGET_ADDED_P50_MS} ms)  "
           f"{verdict(added_p50 <= TARGET_ADDED_P50_MS)}")
@@ -500,10 +605,10 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
           f"b = {percentile(b.ttft_s, 50) * ms:.2f} ms, added = {percentile(added_ttft, 50):.2f} ms")
     if outside:
         print(f"  (b) time outside the replica's generate window: p50 {percentile(outside, 50):.2f} ms, "
-              f"p99 {percentile(outside, 99):.2f} ms  (the added latency without run-to-run noise)")
+              f"p99 {percentile(outside, 99):.2f} ms  (the added latency within (b) alone)")
     if hops:
         print()
-        print(f"  where a (b) request's time goes, sequential pass ({len(hops)} requests), ms:")
+        print(f"  where a (b) request's time goes, latency pass ({len(hops)} requests), ms:")
         hrow = "    {:<32}{:>9}{:>9}{:>9}"
         print(hrow.format("hop", "p50", "p90", "p99"))
         for name, st in hop_stats.items():
@@ -515,30 +620,30 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
     if b.burst_hops:
         bh = b.burst_hops
         t0 = min(h["sent"] for h in bh)
-        last = lambda key: (max(h[key] for h in bh) - t0) * ms  # noqa: E731
-        print()
         first = lambda key: (min(h[key] for h in bh) - t0) * ms  # noqa: E731
+        last = lambda key: (max(h[key] for h in bh) - t0) * ms  # noqa: E731
         span = lambda key: f"{first(key):.0f}..{last(key):.0f}"  # noqa: E731
-        print("  throughput pass of (b), ms after the first POST was sent: "
-              f"last POST sent {last('sent'):.0f}, "
-              f"WorkItems built {span('submitted')}, started by the replica {span('started')}, "
-              f"results built {span('finished')}, last response received {last('received'):.0f}")
-        print(f"  (a) did the whole pass in {a.throughput_wall_s * ms:.0f} ms")
+        print()
+        print("  last throughput round of (b), from the ledger, ms after the first POST was sent: "
+              f"last POST sent {last('sent'):.0f}, work items built {span('submitted')}, "
+              f"started by the replica {span('started')}, results built {span('finished')}, "
+              f"last response received {last('received'):.0f}")
 
     for label, res in (("(a) engine", a), ("(b) platform", b)):
         if not res.cpu:
             continue
         print()
-        print(f"  CPU seconds by process, {label} "
+        print(f"  CPU seconds by process, {label}, per turn "
               f"(machine has {os.cpu_count()} CPUs; 'other' = everyone else):")
         passes = list(res.cpu)
+        turns = {p: max(res.cpu[p]["turns"], 1) for p in passes}
         crow = "    {:<28}" + "{:>12}" * len(passes)
-        print(crow.format("pass", *passes))
-        print(crow.format("wall", *(f"{res.cpu[p]['wall_s']:.2f}" for p in passes)))
+        print(crow.format("pass (turns)", *(f"{p} ({turns[p]})" for p in passes)))
+        print(crow.format("wall", *(f"{res.cpu[p]['wall_s'] / turns[p]:.3f}" for p in passes)))
         for role in res.cpu[passes[0]]["cpu_s"]:
-            print(crow.format(role, *(f"{res.cpu[p]['cpu_s'][role]:.2f}" for p in passes)))
+            print(crow.format(role, *(f"{res.cpu[p]['cpu_s'][role] / turns[p]:.3f}" for p in passes)))
         print(crow.format("other (not this benchmark)",
-                          *(f"{res.cpu[p]['other_cpu_s']:.2f}" for p in passes)))
+                          *(f"{res.cpu[p]['other_cpu_s'] / turns[p]:.3f}" for p in passes)))
     busy = {f"{label} {p}": res.cpu[p]["other_cpu_s"] / (res.cpu[p]["wall_s"] * (os.cpu_count() or 1))
             for label, res in (("a", a), ("b", b)) for p in res.cpu}
     noisy = {k: v for k, v in busy.items() if v > NOISY_SHARE}
@@ -550,14 +655,16 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
 
     return {
         "model": args.model, "model_path": model_path, "prompts": n, "max_tokens": args.max_tokens,
-        "adapters": args.adapters,
+        "adapters": args.adapters, "rounds": rounds,
         "host": {"python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count()},
         "env": {k: os.environ.get(k) for k in ENV_SHOWN},
         "targets": {"throughput_ratio": TARGET_THROUGHPUT_RATIO, "added_latency_p50_ms": TARGET_ADDED_P50_MS},
         "figures": {
-            "throughput_tok_s_a": a.tok_per_s,
-            "throughput_tok_s_b": b.tok_per_s,
+            "throughput_tok_s_a_median_round": percentile(tps_a, 50),
+            "throughput_tok_s_b_median_round": percentile(tps_b, 50),
             "throughput_ratio_b_over_a": ratio,
+            "throughput_ratio_rounds": summary(ratios),
+            "throughput_ratio_all_rounds": pooled,
             "throughput_pass": ratio >= TARGET_THROUGHPUT_RATIO,
             "added_latency_ms": summary(added),
             "added_latency_pass": added_p50 <= TARGET_ADDED_P50_MS,
@@ -566,8 +673,7 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
             "ttft_ms_a": summary([x * ms for x in a.ttft_s]),
             "ttft_ms_b": summary([x * ms for x in b.ttft_s]),
             "added_ttft_ms": summary(added_ttft),
-            "tokens_a": a.throughput_tokens,
-            "tokens_b": b.throughput_tokens,
+            "tokens_per_round": sum(a.round_tokens[0]),
             "tokens_equal_every_pass": same_tokens,
             "texts_equal": same_text,
         },
@@ -586,11 +692,27 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
 
 
 # --- main -------------------------------------------------------------------------------------------------
+async def run_both(model_path: str, stack, args, prompts: list[str], warmup: list[str]):
+    a = EnginePath(model_path, args.model, args.max_tokens, args.adapters)
+    b = PlatformPath(stack, args.model, args.max_tokens)
+    tap = Tap(stack.nats_url)
+    try:
+        await a.start()
+        await b.start()
+        await tap.open()
+        return await measure(a, b, tap, prompts, warmup, args.rounds, stack.state_dir / "loopline.db")
+    finally:
+        await tap.close()
+        await b.stop()
+        await a.stop()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=15, help="throughput rounds, each (a) and (b) once")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/serving.json"))
     parser.add_argument("--adapters", choices=("on", "off"), default=None,
@@ -616,13 +738,6 @@ def main() -> int:
     try:
         # Into the stack's own models folder, so its replica loads the very same files.
         model_path = str(resolve_model(args.model, state_dir / "models"))
-
-        print(f"(a) engine in-process: {model_path}", flush=True)
-        print(f"    run-time adapters (vLLM LoRA machinery): {'on' if args.adapters else 'off'}")
-        a = asyncio.run(bench_engine(model_path, args.model, prompts, warmup, args.max_tokens,
-                                     args.adapters))
-        gc.collect()
-
         print(f"(b) platform: starting LocalStack in {state_dir}", flush=True)
         stack = LocalStack(state_dir=state_dir, model=args.model, replicas=1,
                            env={"LOOPLINE_ADAPTERS": "1" if args.adapters else "0"})
@@ -631,8 +746,9 @@ def main() -> int:
             stack.start()
             startup = time.perf_counter() - t0
             print(f"    gateway at {stack.url} after {startup:.1f} s", flush=True)
-            b, hops = asyncio.run(bench_platform(stack.url, stack.nats_url, args.model, prompts, warmup,
-                                                 args.max_tokens, platform_roles(stack)))
+            print(f"(a) engine in-process: {model_path}, run-time adapters "
+                  f"{'on' if args.adapters else 'off'}", flush=True)
+            a, b, hops = asyncio.run(run_both(model_path, stack, args, prompts, warmup))
             b.startup_s = startup
         finally:
             stack.stop()

