@@ -37,6 +37,9 @@ class WorkItem(BaseModel):
     adapter: str | None = None
     # When set, inference also publishes token deltas on ``stream.<request_id>`` (core NATS).
     stream: bool = False
+    # When set, inference also publishes the result there (core NATS, subjects.answer), so the
+    # gateway waiting on the connection hears without a subscription per request.
+    reply_to: str | None = None
     submitted_at: float = Field(default_factory=time.time)
     # The batch this prompt belongs to, as the gateway accepted it: what the ledger records for the
     # group without a lookup per group. None (a hand-made item) leaves the ledger to infer them.

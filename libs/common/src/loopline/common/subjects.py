@@ -64,6 +64,18 @@ def results_of_group(group: str) -> str:
     return f"results.{group}.*"
 
 
+# --- answers to one gateway (core NATS, not stored) --------------------------------------------------
+# A result also goes, at once, to the subject its work item names in ``reply_to``: the gateway that
+# holds the client's connection listens on all of its own with one subscription, instead of
+# subscribing and unsubscribing per request. The stored copy on ``results.*`` stays the record.
+def gateway_answers(gateway: str) -> str:
+    return f"answers.{gateway}.*"
+
+
+def answer(gateway: str, group: str) -> str:
+    return f"answers.{gateway}.{group}"
+
+
 # --- token streams (core NATS, not stored) --------------------------------------------------------
 def token_stream(request_id: str) -> str:
     return f"stream.{request_id}"

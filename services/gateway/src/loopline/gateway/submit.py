@@ -55,9 +55,10 @@ def check_max_tokens(deployment: Route, max_tokens: int) -> None:
 
 async def submit_prompts(bridge: Bridge, deployment: Route, group: str, prompts: list[Prompt],
                          sampling: SamplingParams, *, kind: str, stream: bool = False,
-                         skip_if_known: bool = False) -> tuple[list[str], bool]:
+                         skip_if_known: bool = False, reply_to: str | None = None) -> tuple[list[str], bool]:
     """Publish one work item per prompt. Returns their request ids in prompt order, and whether
-    the batch had been accepted before (then nothing is published: its work is queued or done)."""
+    the batch had been accepted before (then nothing is published: its work is queued or done).
+    ``reply_to``: where the replica also sends each result at once (Answers.expect)."""
     check_max_tokens(deployment, sampling.max_tokens)
     ids = [request_id(group, i) for i in range(len(prompts))]
     if skip_if_known and await bridge.manifest(group) is not None:
@@ -66,7 +67,7 @@ async def submit_prompts(bridge: Bridge, deployment: Route, group: str, prompts:
     items = [
         WorkItem(request_id=rid, group=group, index=i, model=deployment.model, prompt=p.text,
                  messages=p.messages, sampling=sampling, stream=stream, adapter=deployment.adapter,
-                 kind=kind, batch_total=len(prompts))
+                 kind=kind, batch_total=len(prompts), reply_to=reply_to)
         for i, (rid, p) in enumerate(zip(ids, prompts))
     ]
     # OpenAI requests are answered on the connection that made them, so they need no manifest;

@@ -74,13 +74,18 @@ class Worker:
             log.warning("pull failed (%s); retrying", exc)
             await asyncio.sleep(0.25)
             return
+        waiting = 0
         for msg in first:
             self._start(msg)
-        if free > 1:
+            # JetStream says how many more wait for this consumer: a lone request (the common
+            # case when lightly loaded) needs no second pull, which costs a round trip through NATS
+            # and its 2 ms expiry while the request is already generating.
+            waiting = msg.metadata.num_pending
+        if free > 1 and waiting > 0:
             try:
-                # nats-py turns this into a pull that waits out its (tiny) expiry when nothing is
-                # queued; messages that arrive late stay buffered for the next fetch.
-                for msg in await psub.fetch(free - 1, timeout=0.002):
+                # nats-py turns this into a pull that waits out its (tiny) expiry when fewer are
+                # queued by now; messages that arrive late stay buffered for the next fetch.
+                for msg in await psub.fetch(min(free - 1, waiting), timeout=0.002):
                     self._start(msg)
             except Exception:  # noqa: BLE001 - nothing else waiting
                 pass
@@ -113,9 +118,14 @@ class Worker:
                     await msg.nak(delay=1.0)
                     return
                 result = self._error(item, 500, f"generation failed: {exc}", "server_error")
+            payload = result.model_dump_json().encode()
+            if item.reply_to:
+                # The waiting gateway hears now, in the same write as the stored copy below, not
+                # after JetStream's ack. The stored copy stays the record: only it lets us ack the
+                # work, and it serves ScalarLM's polling, the ledger and a gateway that missed this.
+                await self.nc.publish(item.reply_to, payload)
             await bus.publish_durable(
-                self.js, subjects.result(item.group, item.index), result.model_dump_json().encode(),
-                msg_id=item.request_id,
+                self.js, subjects.result(item.group, item.index), payload, msg_id=item.request_id,
             )
             await msg.ack()
             self.served += 1

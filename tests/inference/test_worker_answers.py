@@ -1,0 +1,107 @@
+"""The replica's worker answers a work item's ``reply_to`` at once and keeps the stored result.
+
+Real parts: nats-server, the worker and the transformers reference engine on the tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import pytest_asyncio
+from transformers import AutoTokenizer
+
+from loopline.common import bus, subjects
+from loopline.common.schemas import ResultItem, SamplingParams, WorkItem
+from loopline.inference.engine import make_engine
+from loopline.inference.prompts import PromptBuilder
+from loopline.inference.worker import Worker
+from support.nats import nats_server
+from support.stacks import tiny_model
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+DEPLOYMENT = "tiny-answers"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def replica(tmp_path_factory):
+    with nats_server(tmp_path_factory.mktemp("nats")) as proc:
+        nc = await bus.connect(proc.info["url"], "test")
+        js = nc.jetstream()
+        await bus.ensure_topology(js)
+        await bus.ensure_work_consumer(js, DEPLOYMENT, ack_wait_s=30, max_deliver=3)
+        path = tiny_model()
+        engine = make_engine("reference", path, max_model_len=None, max_inflight=8, dtype="auto")
+        await engine.start()
+        prompts = PromptBuilder(AutoTokenizer.from_pretrained(path), engine.info.max_model_len)
+        worker = Worker(nc, js, engine, prompts, deployment=DEPLOYMENT, replica="r1", max_inflight=8,
+                        ack_wait_s=30, max_deliver=3)
+        task = asyncio.create_task(worker.run())
+        yield nc, js, worker
+        await worker.drain(timeout_s=5)
+        task.cancel()
+        await engine.stop()
+        await nc.close()
+
+
+async def publish(js, group: str, count: int, reply_to: str | None) -> None:
+    for i in range(count):
+        item = WorkItem(request_id=f"{group}_{i:09d}", group=group, index=i, model="tiny",
+                        prompt=f"Count to {i + 2}:", sampling=SamplingParams(max_tokens=6),
+                        reply_to=reply_to)
+        await bus.publish_durable(js, subjects.work(DEPLOYMENT), item.model_dump_json().encode(),
+                                  msg_id=item.request_id)
+
+
+async def test_each_answer_reaches_reply_to_once_and_matches_the_stored_result(replica):
+    nc, js, worker = replica
+    group = uuid.uuid4().hex
+    reply_to = subjects.answer("gw-test", group)
+    heard: list[ResultItem] = []
+    all_heard = asyncio.Event()
+
+    async def on_answer(msg):
+        heard.append(ResultItem.model_validate_json(msg.data))
+        if len(heard) == 5:
+            all_heard.set()
+
+    sub = await nc.subscribe(subjects.gateway_answers("gw-test"), cb=on_answer)
+    # A lone request first, then four together: both ways the worker pulls (with and without
+    # others waiting behind the first) must start every item exactly once.
+    await publish(js, group, 1, reply_to)
+    await asyncio.sleep(1.0)
+    four = uuid.uuid4().hex
+    await publish(js, four, 4, subjects.answer("gw-test", four))
+    await asyncio.wait_for(all_heard.wait(), 120)
+    await asyncio.sleep(0.5)  # a duplicate would arrive meanwhile
+    await sub.unsubscribe()
+
+    assert sorted((r.group, r.index) for r in heard) == sorted([(group, 0)] + [(four, i) for i in range(4)])
+    for answer in heard:
+        raw = await js.get_last_msg(subjects.RESULTS_STREAM, subjects.result(answer.group, answer.index))
+        stored = ResultItem.model_validate_json(raw.data)
+        assert stored == answer
+        assert stored.error is None and stored.choices[0].completion_tokens > 0
+
+
+async def test_without_reply_to_only_the_stored_result_is_published(replica):
+    nc, js, worker = replica
+    group = uuid.uuid4().hex
+    stray: list[str] = []
+
+    async def on_any(msg):
+        stray.append(msg.subject)
+
+    sub = await nc.subscribe("answers.>", cb=on_any)
+    served = worker.served
+    await publish(js, group, 1, None)
+    for _ in range(600):
+        if worker.served > served:
+            break
+        await asyncio.sleep(0.1)
+    raw = await js.get_last_msg(subjects.RESULTS_STREAM, subjects.result(group, 0))
+    assert ResultItem.model_validate_json(raw.data).request_id == f"{group}_{0:09d}"
+    await asyncio.sleep(0.2)
+    await sub.unsubscribe()
+    assert stray == []
