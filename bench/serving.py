@@ -1,7 +1,7 @@
 """Serving overhead: the same prompts through the engine in-process and through the whole platform.
 
     python bench/serving.py [--model tiny] [--prompts 64] [--max-tokens 32] [--rounds 15]
-                            [--out bench/results/serving.json]
+                            [--latency-rounds 3] [--out bench/results/serving.json]
 
 One run measures, on the same deterministic prompts (greedy, same ``max_tokens``):
 
@@ -461,7 +461,7 @@ def burst_timeline(ledger_db: Path, samples: list[Sample]) -> list[dict]:
 
 # --- the run: (a) and (b) take turns ---------------------------------------------------------------------
 async def measure(a: EnginePath, b: PlatformPath, tap: Tap, prompts: list[str], warmup: list[str],
-                  rounds: int, ledger_db: Path) -> tuple[PathResult, PathResult, list[Hops]]:
+                  rounds: int, ledger_db: Path, latency_rounds: int = 1) -> tuple[PathResult, PathResult, list[Hops]]:
     results = {a: PathResult(startup_s=a.startup_s), b: PathResult(startup_s=b.startup_s)}
     # Both paths stay up: while (a) runs, the idle platform's own timers (admission state, the
     # watcher's rescan, the trainer's reconcile) still take a little CPU, shown as a role of (a).
@@ -509,7 +509,11 @@ async def measure(a: EnginePath, b: PlatformPath, tap: Tap, prompts: list[str], 
 
     await tap.watch()
     timed = []
-    for i, text in enumerate(prompts):
+    # Each pair differs by the engine's own jitter (a few ms either way on this machine) as much as
+    # by the platform, so one pass of the prompts pins the median down to about a millisecond;
+    # latency_rounds passes narrow that.
+    paired = [text for _ in range(latency_rounds) for text in prompts]
+    for i, text in enumerate(paired):
         for path in turns(i):
             meters[path].start("latency")
             sample = await path.one(text)
@@ -518,7 +522,7 @@ async def measure(a: EnginePath, b: PlatformPath, tap: Tap, prompts: list[str], 
             results[path].latency_tokens.append(sample.tokens)
             if path is b:
                 timed.append((i, sample.group, sample.sent, sample.received))
-    for i, text in enumerate(prompts):
+    for i, text in enumerate(paired):
         for path in turns(i):
             meters[path].start("ttft")
             sample = await path.one(text, stream=True)
@@ -563,12 +567,12 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
     # window. Unlike b - a it does not compare two moments of a machine others may be using.
     outside = [(h.received - h.sent - (h.finished - h.started)) * ms for h in hops]
 
-    n = len(a.latency_s)
+    n = args.prompts
     rounds = len(ratios)
     print()
     print(f"Loopline serving benchmark — model {args.model!r} ({model_path}), {n} prompts, "
           f"max_tokens {args.max_tokens}, greedy, run-time adapters {'on' if args.adapters else 'off'}, "
-          f"{rounds} throughput rounds")
+          f"{rounds} throughput rounds, {len(added)} latency and TTFT pairs ({args.latency_rounds} per prompt)")
     print("  (a) VllmEngine in-process      (b) HTTP -> gateway -> NATS -> inference replica")
     print("  " + " ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in ENV_SHOWN))
     print()
@@ -655,7 +659,7 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
 
     return {
         "model": args.model, "model_path": model_path, "prompts": n, "max_tokens": args.max_tokens,
-        "adapters": args.adapters, "rounds": rounds,
+        "adapters": args.adapters, "rounds": rounds, "latency_rounds": args.latency_rounds,
         "host": {"python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count()},
         "env": {k: os.environ.get(k) for k in ENV_SHOWN},
         "targets": {"throughput_ratio": TARGET_THROUGHPUT_RATIO, "added_latency_p50_ms": TARGET_ADDED_P50_MS},
@@ -700,7 +704,8 @@ async def run_both(model_path: str, stack, args, prompts: list[str], warmup: lis
         await a.start()
         await b.start()
         await tap.open()
-        return await measure(a, b, tap, prompts, warmup, args.rounds, stack.state_dir / "loopline.db")
+        return await measure(a, b, tap, prompts, warmup, args.rounds, stack.state_dir / "loopline.db",
+                             args.latency_rounds)
     finally:
         await tap.close()
         await b.stop()
@@ -713,6 +718,8 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=15, help="throughput rounds, each (a) and (b) once")
+    parser.add_argument("--latency-rounds", type=int, default=3,
+                        help="passes of the prompts, one request at a time, for latency and TTFT pairs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/serving.json"))
     parser.add_argument("--adapters", choices=("on", "off"), default=None,
