@@ -303,7 +303,10 @@ class PlatformPath:
 
         # No connection limit: a burst gets one connection per request, as independent clients would.
         self.session = aiohttp.ClientSession(base_url=self.stack.url,
-                                             connector=aiohttp.TCPConnector(limit=0),
+                                             # Idle connections closed before uvicorn's own 5 s
+                                             # keep-alive does: reusing one the server is closing
+                                             # that very moment fails as "Server disconnected".
+                                             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
                                              timeout=aiohttp.ClientTimeout(total=600))
 
     def roles(self) -> dict[str, tuple[int, bool]]:

@@ -252,7 +252,8 @@ class Bridge:
         replies: list[dict] = []
 
         async def collect(msg: Msg) -> None:
-            replies.append(json.loads(msg.data))
+            if msg.data:  # an empty one is NATS's "no responders" status: none is running
+                replies.append(json.loads(msg.data))
 
         sub = await self.nc.subscribe(inbox, cb=collect)
         try:
