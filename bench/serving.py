@@ -302,11 +302,11 @@ class PlatformPath:
         import aiohttp
 
         # No connection limit: a burst gets one connection per request, as independent clients would.
+        # Kept between bursts, as a client's pool would (the gateway keeps idle ones for
+        # LOOPLINE_KEEP_ALIVE_S, 75 s): new connections would cost (b) some 20 ms a burst. Closed
+        # well before the gateway closes them, or a reuse could race the server's close.
         self.session = aiohttp.ClientSession(base_url=self.stack.url,
-                                             # Idle connections closed before uvicorn's own 5 s
-                                             # keep-alive does: reusing one the server is closing
-                                             # that very moment fails as "Server disconnected".
-                                             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
+                                             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
                                              timeout=aiohttp.ClientTimeout(total=600))
 
     def roles(self) -> dict[str, tuple[int, bool]]:

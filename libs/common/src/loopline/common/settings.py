@@ -37,6 +37,10 @@ class CommonSettings(BaseSettings):
 class GatewaySettings(CommonSettings):
     host: str = "127.0.0.1"
     port: int = 8000
+    # How long an idle HTTP connection stays open for its client's next request. Above the 60 s
+    # idle timeout of common load balancers, so the gateway never closes a connection one of them
+    # is about to reuse (a 502 for its client); uvicorn's own default is 5 s.
+    keep_alive_s: int = Field(default=75, ge=1)
     # ScalarLM's long-poll window: prompts not done by then are answered with null.
     response_timeout_s: float = 60.0
     # Bodies larger than this are refused with 413 before they are read.

@@ -13,7 +13,7 @@ def main() -> None:
     process.setup_logging("gateway", settings.log_level)
     setup_tracing("loopline-gateway", settings.otlp_endpoint)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
-                timeout_graceful_shutdown=5)
+                timeout_keep_alive=settings.keep_alive_s, timeout_graceful_shutdown=5)
 
 
 if __name__ == "__main__":
