@@ -1,4 +1,4 @@
-"""The replica's loop: take work up to free engine capacity (credits.py), generate, publish, ack.
+"""The replica's loop: pull work sized to free engine capacity, generate, publish, then ack.
 
 A message is acked only after its result is durable in RESULTS, so a replica killed at any point
 loses nothing: JetStream redelivers what it had not acked to another replica. Results carry the
@@ -20,7 +20,6 @@ from loopline.common import bus, subjects
 from loopline.common.schemas import Choice, ErrorInfo, ResultItem, TokenDelta, WorkItem
 from loopline.common.telemetry import context_from_headers, tracer
 from loopline.inference.adapters import AdapterManager, AdapterUnavailable
-from loopline.inference.credits import CreditPull
 from loopline.inference.engine import Engine
 from loopline.inference.prompts import PromptBuilder, PromptError
 
@@ -39,32 +38,57 @@ class Worker:
         self.ack_wait_s = ack_wait_s
         self.max_deliver = max_deliver
         self.inflight: dict[str, Msg] = {}
-        self.pull: CreditPull | None = None
+        self.capacity_freed = asyncio.Event()
         self.stopping = asyncio.Event()
         self.served = 0
 
     async def run(self) -> None:
-        # Invariant: every message we hold is either in self.inflight (being generated) or already
-        # acked; we ask for no more than max_inflight - len(self.inflight) (credits.py).
-        self.pull = CreditPull(self.nc, subjects.WORK_STREAM, subjects.inference_durable(self.deployment),
-                               capacity=self._free, on_message=self._on_work)
-        await self.pull.start()
+        psub = await self.js.pull_subscribe_bind(
+            subjects.inference_durable(self.deployment), stream=subjects.WORK_STREAM
+        )
         keepalive = asyncio.create_task(self._keep_inflight_alive())
+        # Invariant: len(self.inflight) <= self.max_inflight, and every message we hold is either in
+        # self.inflight (being generated) or already acked.
+        while not self.stopping.is_set():
+            free = self.max_inflight - len(self.inflight)
+            if free <= 0:
+                self.capacity_freed.clear()
+                await self.capacity_freed.wait()
+                continue
+            await self._pull(psub, free)
+        keepalive.cancel()
+
+    async def _pull(self, psub, free: int) -> None:
+        """Wait for one message and start it at once, then start whatever else is already
+        waiting, up to ``free``.
+
+        Asking for ``free`` in one fetch would make the client hold the first message until the
+        batch fills or the pull expires; this way a lone request starts the moment it arrives, and
+        a burst still enters the engine together.
+        """
         try:
-            await self.stopping.wait()
-        finally:
-            keepalive.cancel()
-            await self.pull.stop()
-
-    def _free(self) -> int:
-        return 0 if self.stopping.is_set() else self.max_inflight - len(self.inflight)
-
-    def _on_work(self, msg: Msg) -> None:
-        if self.stopping.is_set():
-            # Pulled before the drain began: hand it straight back for another replica.
-            asyncio.create_task(msg.nak())
+            first = await psub.fetch(1, timeout=2.0)
+        except asyncio.TimeoutError:  # nats' TimeoutError subclasses it
             return
-        self._start(msg)
+        except Exception as exc:  # noqa: BLE001 - NATS restarting: wait, reconnect, go on
+            log.warning("pull failed (%s); retrying", exc)
+            await asyncio.sleep(0.25)
+            return
+        waiting = 0
+        for msg in first:
+            self._start(msg)
+            # JetStream says how many more wait for this consumer: a lone request (the common
+            # case when lightly loaded) needs no second pull, which costs a round trip through NATS
+            # and its 2 ms expiry while the request is already generating.
+            waiting = msg.metadata.num_pending
+        if free > 1 and waiting > 0:
+            try:
+                # nats-py turns this into a pull that waits out its (tiny) expiry when fewer are
+                # queued by now; messages that arrive late stay buffered for the next fetch.
+                for msg in await psub.fetch(min(free - 1, waiting), timeout=0.002):
+                    self._start(msg)
+            except Exception:  # noqa: BLE001 - nothing else waiting
+                pass
 
     def _start(self, msg: Msg) -> None:
         key = f"{msg.metadata.sequence.stream}"
@@ -74,7 +98,7 @@ class Worker:
 
     def _finished(self, key: str) -> None:
         self.inflight.pop(key, None)
-        self.pull.changed.set()  # ask for the freed capacity (together with any freed meanwhile)
+        self.capacity_freed.set()
 
     async def _handle(self, msg: Msg) -> None:
         try:
@@ -168,6 +192,7 @@ class Worker:
     async def drain(self, timeout_s: float) -> None:
         """Stop pulling and give in-flight requests ``timeout_s`` to finish."""
         self.stopping.set()
+        self.capacity_freed.set()
         deadline = time.monotonic() + timeout_s
         while self.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
