@@ -1,6 +1,6 @@
 """Serving overhead: the same prompts through the engine in-process and through the whole platform.
 
-    python bench/serving.py [--model tiny] [--prompts 64] [--max-tokens 32] [--rounds 15]
+    python bench/serving.py [--model tiny] [--prompts 64] [--max-tokens 32] [--rounds 45]
                             [--latency-rounds 3] [--out bench/results/serving.json]
 
 One run measures, on the same deterministic prompts (greedy, same ``max_tokens``):
@@ -8,15 +8,17 @@ One run measures, on the same deterministic prompts (greedy, same ``max_tokens``
   (a) baseline: ``VllmEngine`` called in this process, with the settings the inference service uses
       and its ``PromptBuilder`` tokenization;
   (b) platform: HTTP -> gateway -> NATS JetStream -> inference replica -> NATS -> gateway -> HTTP,
-      started with ``LocalStack`` exactly as ``make up`` does.
+      started with ``LocalStack`` exactly as ``make up`` does, one request per prompt;
+  (c) the same platform, all prompts in one request (OpenAI's list ``prompt``), the way batch
+      clients submit (ScalarLM's ``generate`` sends a list too): throughput rounds only.
 
-Both stay up for the whole run and take turns, never running together: every throughput round is
-one burst of all prompts through (a) and one through (b) (the order alternates), and the latency
+All stay up for the whole run and take turns, never running together: every throughput round is
+one burst of all prompts through each of (a), (b) and (c) (the order rotates), and the latency
 and time-to-first-token passes send each prompt through (a) and then (b) (again alternating). So
 every figure of (b) has a figure of (a) taken a moment apart: on a shared 2-core virtual machine
 the speed of the CPUs themselves drifts by tens of percent over seconds, and comparing passes
-taken minutes apart measured that drift more than the platform. The throughput ratio reported is
-the median of the rounds' ratios; the range says how much they spread.
+taken minutes apart measured that drift more than the platform. The throughput ratios reported are
+the medians of the rounds' ratios; the ranges say how much they spread.
 
 Before (a) runs, the platform's bookkeeping of the previous (b) burst (the ledger's consumers) has
 caught up, so (a) never shares the CPUs with (b)'s leftovers. It always exits 0: the targets are
@@ -254,6 +256,9 @@ class EnginePath:
         return Sample(time.perf_counter() - start, first if first is not None else float("nan"), tokens,
                       "".join(out))
 
+    async def burst(self, prompts: list[str]) -> list[Sample]:
+        return list(await asyncio.gather(*(self.one(t) for t in prompts)))
+
     async def stop(self) -> None:
         if self.engine is not None:
             await self.engine.stop()
@@ -342,9 +347,45 @@ class PlatformPath:
         return Sample(time.perf_counter() - start, first if first is not None else float("nan"), tokens,
                       "".join(out))
 
+    async def burst(self, prompts: list[str]) -> list[Sample]:
+        """Every prompt its own request, all at once, as many independent clients would."""
+        return list(await asyncio.gather(*(self.one(t) for t in prompts)))
+
     async def stop(self) -> None:
         if self.session is not None:
             await self.session.close()
+
+
+class PlatformBatchPath:
+    """(c): the whole burst as one OpenAI request with a list ``prompt``, on (b)'s platform and
+    client. The gateway still makes one work item per prompt, so the replica and the engine do the
+    same work as for (b); what it leaves out is the HTTP and gateway cost of 64 requests, which on
+    a small machine shares the one core the engine leaves."""
+
+    label = "(c) one request"
+
+    def __init__(self, single: PlatformPath):
+        self.single = single
+        self.startup_s = 0.0
+
+    def roles(self) -> dict[str, tuple[int, bool]]:
+        return self.single.roles()
+
+    async def burst(self, prompts: list[str]) -> list[Sample]:
+        """One Sample per prompt, in prompt order. OpenAI's response counts tokens for the whole
+        request only, so the first Sample carries them all (a round's sum is what is compared)."""
+        start = time.perf_counter()
+        async with self.single.session.post("/v1/completions",
+                                            json={**self.single.body, "prompt": prompts}) as r:
+            r.raise_for_status()
+            data = await r.json()
+        total = time.perf_counter() - start
+        choices = sorted(data["choices"], key=lambda c: c["index"])
+        if len(choices) != len(prompts):
+            raise RuntimeError(f"asked for {len(prompts)} completions, got {len(choices)}")
+        used = data["usage"]["completion_tokens"]
+        return [Sample(total, float("nan"), used if i == 0 else 0, c["text"])
+                for i, c in enumerate(choices)]
 
 
 @dataclass
@@ -463,13 +504,16 @@ def burst_timeline(ledger_db: Path, samples: list[Sample]) -> list[dict]:
 
 
 # --- the run: (a) and (b) take turns ---------------------------------------------------------------------
-async def measure(a: EnginePath, b: PlatformPath, tap: Tap, prompts: list[str], warmup: list[str],
-                  rounds: int, ledger_db: Path, latency_rounds: int = 1) -> tuple[PathResult, PathResult, list[Hops]]:
-    results = {a: PathResult(startup_s=a.startup_s), b: PathResult(startup_s=b.startup_s)}
+async def measure(a: EnginePath, b: PlatformPath, c: PlatformBatchPath, tap: Tap, prompts: list[str],
+                  warmup: list[str], rounds: int, ledger_db: Path,
+                  latency_rounds: int = 1) -> tuple[PathResult, PathResult, PathResult, list[Hops]]:
+    results = {a: PathResult(startup_s=a.startup_s), b: PathResult(startup_s=b.startup_s),
+               c: PathResult(startup_s=b.startup_s)}
     # Both paths stay up: while (a) runs, the idle platform's own timers (admission state, the
     # watcher's rescan, the trainer's reconcile) still take a little CPU, shown as a role of (a).
     idle_platform = [v for k, v in b.roles().items() if k != "client (this process)"]
-    meters = {a: CpuMeter({**a.roles(), "platform, idle": idle_platform}), b: CpuMeter(b.roles())}
+    meters = {a: CpuMeter({**a.roles(), "platform, idle": idle_platform}), b: CpuMeter(b.roles()),
+              c: CpuMeter(c.roles())}
 
     async def settle() -> None:
         # (b)'s ledger writes come after its answers; let them finish before anything else runs.
@@ -479,11 +523,17 @@ async def measure(a: EnginePath, b: PlatformPath, tap: Tap, prompts: list[str], 
     def turns(i: int) -> tuple:
         return (a, b) if i % 2 == 0 else (b, a)
 
+    def rotation(i: int) -> tuple:
+        # Each path goes first, second and third equally often over the rounds.
+        order = (a, b, c)
+        return order[i % 3:] + order[:i % 3]
+
     for path in (a, b):
         for text in warmup[:WARMUP_SEQUENTIAL]:
             await path.one(text)
             await path.one(text, stream=True)
-        await asyncio.gather(*(path.one(t) for t in warmup))
+        await path.burst(warmup)
+    await c.burst(warmup)
     # As the replica does once it is up (inference/service.py): the engine's long-lived heap out of
     # the collector's way, so (a) and this process's client do not pause for it.
     gc.collect()
@@ -491,11 +541,11 @@ async def measure(a: EnginePath, b: PlatformPath, tap: Tap, prompts: list[str], 
 
     last_b: list[Sample] = []
     for r in range(rounds):
-        for path in turns(r):
+        for path in rotation(r):
             await settle()
             meters[path].start("throughput")
             start = time.perf_counter()
-            outs = await asyncio.gather(*(path.one(t) for t in prompts))
+            outs = await path.burst(prompts)
             wall = time.perf_counter() - start
             meters[path].stop("throughput")
             res = results[path]
@@ -537,9 +587,9 @@ async def measure(a: EnginePath, b: PlatformPath, tap: Tap, prompts: list[str], 
     await asyncio.sleep(0.2)
     await tap.unwatch()
     hops = [h for h in (tap.hops(*t) for t in timed) if h is not None]
-    for path in (a, b):
+    for path in (a, b, c):
         results[path].cpu = meters[path].passes
-    return results[a], results[b], hops
+    return results[a], results[b], results[c], hops
 
 
 # --- report -----------------------------------------------------------------------------------------------
@@ -547,18 +597,26 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str) -> dict:
+def pooled_ratio(x: PathResult, y: PathResult) -> float:
+    """y's throughput over x's, over all rounds together."""
+    return ((sum(map(sum, y.round_tokens)) / sum(y.round_wall_s))
+            / (sum(map(sum, x.round_tokens)) / sum(x.round_wall_s)))
+
+
+def report(a: PathResult, b: PathResult, c: PathResult, hops: list[Hops], args, model_path: str) -> dict:
     ms = 1000.0
     added = [(lb - la) * ms for la, lb in zip(a.latency_s, b.latency_s)]
     added_ttft = [(tb - ta) * ms for ta, tb in zip(a.ttft_s, b.ttft_s)]
-    tps_a, tps_b = a.round_tok_per_s(), b.round_tok_per_s()
+    tps_a, tps_b, tps_c = a.round_tok_per_s(), b.round_tok_per_s(), c.round_tok_per_s()
     ratios = [y / x for x, y in zip(tps_a, tps_b)]
-    ratio = percentile(ratios, 50)
-    pooled = ((sum(map(sum, b.round_tokens)) / sum(b.round_wall_s))
-              / (sum(map(sum, a.round_tokens)) / sum(a.round_wall_s)))
+    ratios_c = [y / x for x, y in zip(tps_a, tps_c)]
+    ratio, ratio_c = percentile(ratios, 50), percentile(ratios_c, 50)
+    pooled, pooled_c = pooled_ratio(a, b), pooled_ratio(a, c)
     same_tokens = (a.round_tokens == b.round_tokens and a.latency_tokens == b.latency_tokens
-                   and a.stream_tokens == b.stream_tokens)
-    same_text = a.texts == b.texts
+                   and a.stream_tokens == b.stream_tokens
+                   # (c) has one token count per request: compare each round's total
+                   and [sum(t) for t in a.round_tokens] == [sum(t) for t in c.round_tokens])
+    same_text = a.texts == b.texts == c.texts
     added_p50 = percentile(added, 50)
 
     hop_stats = {}
@@ -576,18 +634,24 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
     print(f"Loopline serving benchmark — model {args.model!r} ({model_path}), {n} prompts, "
           f"max_tokens {args.max_tokens}, greedy, run-time adapters {'on' if args.adapters else 'off'}, "
           f"{rounds} throughput rounds, {len(added)} latency and TTFT pairs ({args.latency_rounds} per prompt)")
-    print("  (a) VllmEngine in-process      (b) HTTP -> gateway -> NATS -> inference replica")
+    print("  (a) VllmEngine in-process      (b) HTTP -> gateway -> NATS -> inference replica, a request"
+          " per prompt")
+    print(f"  (c) as (b), the {n} prompts in one request (throughput only)")
     print("  " + " ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in ENV_SHOWN))
     print()
+    trow = "{:<36}{:>14}{:>14}{:>14}"
+    print(trow.format("throughput rounds", "(a) engine", "(b) requests", "(c) one"))
+    print(trow.format("tok/s (median round)", *(f"{percentile(t, 50):.1f}" for t in (tps_a, tps_b, tps_c))))
+    print(trow.format("burst wall, ms (median round)",
+                      *(f"{percentile(p.round_wall_s, 50) * ms:.0f}" for p in (a, b, c))))
+    print(trow.format("generated tokens, first round", *(sum(p.round_tokens[0]) for p in (a, b, c))))
+    print(trow.format("x (a), median of round ratios", "", f"x{ratio:.3f}", f"x{ratio_c:.3f}"))
+    print(trow.format("x (a), all rounds pooled", "", f"x{pooled:.3f}", f"x{pooled_c:.3f}"))
+    print(trow.format("round ratios, min..max", "", f"{min(ratios):.2f}..{max(ratios):.2f}",
+                      f"{min(ratios_c):.2f}..{max(ratios_c):.2f}"))
+    print()
     row = "{:<36}{:>14}{:>14}{:>14}"
-    print(row.format("", "(a) engine", "(b) platform", "b - a / b/a"))
-    print(row.format("throughput, tok/s (median round)", f"{percentile(tps_a, 50):.1f}",
-                     f"{percentile(tps_b, 50):.1f}", f"x{ratio:.3f}"))
-    print(row.format("throughput, tok/s (all rounds)", "", "", f"x{pooled:.3f}"))
-    print(row.format("burst wall, ms (median round)", f"{percentile(a.round_wall_s, 50) * ms:.0f}",
-                     f"{percentile(b.round_wall_s, 50) * ms:.0f}", ""))
-    print(row.format("generated tokens per round", sum(a.round_tokens[0]), sum(b.round_tokens[0]),
-                     "same" if a.round_tokens == b.round_tokens else "DIFFERENT"))
+    print(row.format("one request at a time", "(a) engine", "(b) platform", "b - a"))
     for q in (50, 90, 99):
         la, lb = percentile(a.latency_s, q) * ms, percentile(b.latency_s, q) * ms
         print(row.format(f"latency p{q}, ms", f"{la:.2f}", f"{lb:.2f}", f"{lb - la:+.2f}"))
@@ -599,12 +663,15 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
     print(row.format("added TTFT p50 (per prompt), ms", "", "", f"{percentile(added_ttft, 50):+.2f}"))
     print(row.format("startup, s", f"{a.startup_s:.1f}", f"{b.startup_s:.1f}", ""))
     print()
-    print(f"  round ratios b/a: min {min(ratios):.3f}, p25 {percentile(ratios, 25):.3f}, "
-          f"p75 {percentile(ratios, 75):.3f}, max {max(ratios):.3f}")
+    for name, rs in (("b/a", ratios), ("c/a", ratios_c)):
+        print(f"  round ratios {name}: min {min(rs):.3f}, p25 {percentile(rs, 25):.3f}, "
+              f"p75 {percentile(rs, 75):.3f}, max {max(rs):.3f}")
     print(f"  tokens equal on every pass: {same_tokens}   texts equal (first round): {same_text}")
     print()
     print(f"  throughput b/a = {ratio:.3f}, median of {rounds} rounds  (target >= {TARGET_THROUGHPUT_RATIO})  "
-          f"{verdict(ratio >= TARGET_THROUGHPUT_RATIO)}")
+          f"{verdict(ratio >= TARGET_THROUGHPUT_RATIO)}  ({n} requests at once)")
+    print(f"  throughput c/a = {ratio_c:.3f}, median of {rounds} rounds  (target >= {TARGET_THROUGHPUT_RATIO})  "
+          f"{verdict(ratio_c >= TARGET_THROUGHPUT_RATIO)}  (one request of {n} prompts)")
     print(f"  added latency p50 = {added_p50:.2f} ms  (target <= {TARGET_ADDED_P50_MS} ms)  "
           f"{verdict(added_p50 <= TARGET_ADDED_P50_MS)}")
     print(f"  added latency p99 = {percentile(added, 99):.2f} ms")
@@ -636,7 +703,7 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
               f"started by the replica {span('started')}, results built {span('finished')}, "
               f"last response received {last('received'):.0f}")
 
-    for label, res in (("(a) engine", a), ("(b) platform", b)):
+    for label, res in (("(a) engine", a), ("(b) platform", b), ("(c) one request", c)):
         if not res.cpu:
             continue
         print()
@@ -652,7 +719,7 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
         print(crow.format("other (not this benchmark)",
                           *(f"{res.cpu[p]['other_cpu_s'] / turns[p]:.3f}" for p in passes)))
     busy = {f"{label} {p}": res.cpu[p]["other_cpu_s"] / (res.cpu[p]["wall_s"] * (os.cpu_count() or 1))
-            for label, res in (("a", a), ("b", b)) for p in res.cpu}
+            for label, res in (("a", a), ("b", b), ("c", c)) for p in res.cpu}
     noisy = {k: v for k, v in busy.items() if v > NOISY_SHARE}
     if noisy:
         print()
@@ -673,6 +740,11 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
             "throughput_ratio_rounds": summary(ratios),
             "throughput_ratio_all_rounds": pooled,
             "throughput_pass": ratio >= TARGET_THROUGHPUT_RATIO,
+            "throughput_tok_s_c_median_round": percentile(tps_c, 50),
+            "throughput_ratio_c_over_a": ratio_c,
+            "throughput_ratio_c_rounds": summary(ratios_c),
+            "throughput_ratio_c_all_rounds": pooled_c,
+            "throughput_c_pass": ratio_c >= TARGET_THROUGHPUT_RATIO,
             "added_latency_ms": summary(added),
             "added_latency_pass": added_p50 <= TARGET_ADDED_P50_MS,
             "latency_ms_a": summary([x * ms for x in a.latency_s]),
@@ -685,7 +757,7 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
             "texts_equal": same_text,
         },
         "hops_ms": hop_stats,
-        "cpu_s": {"a": a.cpu, "b": b.cpu},
+        "cpu_s": {"a": a.cpu, "b": b.cpu, "c": c.cpu},
         "other_cpu_share": busy,
         "noisy": bool(noisy),
         "replica_generate_minus_engine_ms": summary(replica_extra),
@@ -693,6 +765,7 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
         "raw": {
             "a": {k: v for k, v in asdict(a).items() if k != "texts"},
             "b": {k: v for k, v in asdict(b).items() if k != "texts"},
+            "c": {k: v for k, v in asdict(c).items() if k not in ("texts", "burst_hops")},
             "hops": [asdict(h) for h in hops],
         },
     }
@@ -702,12 +775,13 @@ def report(a: PathResult, b: PathResult, hops: list[Hops], args, model_path: str
 async def run_both(model_path: str, stack, args, prompts: list[str], warmup: list[str]):
     a = EnginePath(model_path, args.model, args.max_tokens, args.adapters)
     b = PlatformPath(stack, args.model, args.max_tokens)
+    c = PlatformBatchPath(b)
     tap = Tap(stack.nats_url)
     try:
         await a.start()
         await b.start()
         await tap.open()
-        return await measure(a, b, tap, prompts, warmup, args.rounds, stack.state_dir / "loopline.db",
+        return await measure(a, b, c, tap, prompts, warmup, args.rounds, stack.state_dir / "loopline.db",
                              args.latency_rounds)
     finally:
         await tap.close()
@@ -720,7 +794,8 @@ def main() -> int:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=15, help="throughput rounds, each (a) and (b) once")
+    parser.add_argument("--rounds", type=int, default=45,
+                        help="throughput rounds, each (a), (b) and (c) once (a multiple of 3 rotates evenly)")
     parser.add_argument("--latency-rounds", type=int, default=3,
                         help="passes of the prompts, one request at a time, for latency and TTFT pairs")
     parser.add_argument("--seed", type=int, default=0)
@@ -758,14 +833,14 @@ def main() -> int:
             print(f"    gateway at {stack.url} after {startup:.1f} s", flush=True)
             print(f"(a) engine in-process: {model_path}, run-time adapters "
                   f"{'on' if args.adapters else 'off'}", flush=True)
-            a, b, hops = asyncio.run(run_both(model_path, stack, args, prompts, warmup))
-            b.startup_s = startup
+            a, b, c, hops = asyncio.run(run_both(model_path, stack, args, prompts, warmup))
+            b.startup_s = c.startup_s = startup
         finally:
             stack.stop()
             if stack.dead() != stack.procs():
                 print("warning: some stack process outlived stop()", file=sys.stderr)
 
-        figures = report(a, b, hops, args, model_path)
+        figures = report(a, b, c, hops, args, model_path)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(figures, indent=2) + "\n")
         print(f"\nwrote {args.out}")
