@@ -3,8 +3,13 @@ job is not servable. (Routing through it, end to end: tests/e2e/test_adapter_ser
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+from loopline.common import bus, launcher, subjects
 from loopline.common.job_schemas import AdapterEvent
 from loopline.gateway.adapters import AdapterRegistry
+from support.nats import nats_server, restart
 
 
 def loaded(job: str, step: int, at: float, replica: str = "r0", base: str = "tiny") -> AdapterEvent:
@@ -42,3 +47,50 @@ def test_rejections_explain_until_a_later_checkpoint_loads():
     assert "a" not in registry.rejected and registry.deployed("a")
     registry.apply(AdapterEvent(job_hash="a", kind="rejected", step=5, reason="stale"))
     assert "a" not in registry.rejected  # older than what is served: nothing to explain
+
+
+def test_events_published_after_a_nats_restart_still_reach_the_registry(tmp_path):
+    """The registry follows EVENTS through an ephemeral ordered consumer, which a restarted
+    nats-server no longer has; a job loaded after the restart must still be listed and be
+    ``latest``, not only be found by the look-up on a miss."""
+
+    async def served_within(registry: AdapterRegistry, job: str, timeout_s: float) -> float | None:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if job in registry.served:
+                return time.monotonic() - start
+            await asyncio.sleep(0.1)
+        return None
+
+    async def publish(js, event: AdapterEvent) -> None:
+        await bus.publish_durable(js, subjects.adapter_event(event.job_hash, "loaded"),
+                                  event.model_dump_json().encode(), msg_id=f"{event.job_hash}-{event.step}",
+                                  deadline_s=30)
+
+    async def scenario(procs: list):
+        nc = await bus.connect(procs[0].info["url"], "test-gateway")
+        js = nc.jetstream()
+        await bus.ensure_topology(js)
+        registry = AdapterRegistry(js)
+        await registry.start()
+        await publish(js, loaded("before", 10, time.time()))
+        assert await served_within(registry, "before", 5) is not None
+
+        procs.append(restart(procs[0], tmp_path))
+        await publish(js, loaded("after", 10, time.time()))  # retried until the server is back
+        # nats-py notices the lost consumer after two missed heartbeats (HEARTBEAT_S each) and
+        # re-creates it from the next sequence. With its 5 s default this took about 18 s.
+        waited = await served_within(registry, "after", 10)
+        assert waited is not None, "the registry did not hear of a job loaded after the restart"
+        print(f"heard of the job {waited:.1f} s after publishing it")
+        assert registry.latest({"tiny"}).job_hash == "after"
+        assert registry.served["before"].step == 10  # what it knew before the restart, it still knows
+        await registry.stop()
+        await nc.close()
+
+    with nats_server(tmp_path) as first:
+        procs = [first]
+        try:
+            asyncio.run(scenario(procs))
+        finally:
+            launcher.stop(procs[-1])  # the restarted server (the first is stopped by the restart)

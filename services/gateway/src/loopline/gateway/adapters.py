@@ -22,6 +22,8 @@ from loopline.common.job_schemas import AdapterEvent
 
 log = logging.getLogger(__name__)
 
+# Idle heartbeat of the event subscription: how soon a lost consumer is noticed (start()).
+HEARTBEAT_S = 1.0
 # A name that can be a job hash in a subject (the look-up must not send a wildcard).
 _SUBJECT_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -45,9 +47,14 @@ class AdapterRegistry:
         self._sub = None
 
     async def start(self) -> None:
+        # The ordered consumer is ephemeral: a restarted nats-server has lost it, and nats-py
+        # re-creates it (from the next sequence) once two idle heartbeats are missed. At the 5 s
+        # default a job loaded after a restart stayed out of /v1/models and ``latest`` for about
+        # 18 s (tests/gateway/test_adapter_registry.py); at 1 s, a few seconds, for one small
+        # message a second while idle.
         self._sub = await self.js.subscribe(
             subjects.ADAPTER_EVENTS_ALL, stream=subjects.EVENTS_STREAM, cb=self._on_event,
-            ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+            ordered_consumer=True, deliver_policy=DeliverPolicy.ALL, idle_heartbeat=HEARTBEAT_S)
 
     async def stop(self) -> None:
         if self._sub is not None:
