@@ -107,7 +107,7 @@ async def test_work_then_results_reach_the_ledger(database_url, js, start_queue,
     # SIGTERM is a clean stop.
     launcher.stop(proc)
     assert proc.popen.returncode == 0, proc.log_tail()
-    assert "queue service stopped" in proc.log_tail()
+    assert "stopped (exit 0)" in proc.log_tail()
 
 
 async def test_ledger_catches_up_after_a_restart(js, start_queue, eventually, tmp_path):

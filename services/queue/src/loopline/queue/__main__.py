@@ -1,21 +1,12 @@
-"""``python -m loopline.queue``: settings from LOOPLINE_* variables, logging, then the service."""
+"""``python -m loopline.queue`` (and ``loopline-queue``): the queue service under the shared runtime."""
 
-from __future__ import annotations
-
-import os
-import sys
-
-from loopline.common import process
+from loopline.common import runtime
 from loopline.common.settings import QueueSettings
 from loopline.queue.service import run
 
 
 def main() -> None:
-    settings = QueueSettings()
-    if settings.nice:
-        os.nice(settings.nice)
-    process.setup_logging("queue", settings.log_level)
-    sys.exit(process.run(run(settings)))
+    runtime.main("queue", QueueSettings, run)
 
 
 if __name__ == "__main__":
