@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from loopline.common import bus, launcher, subjects
-from loopline.common.db.engine import make_engine, migrate
+from loopline.common.db.engine import open_database, migrate
 
 QUEUE_STATUS = subjects.SVC_QUEUE_STATUS
 
@@ -42,7 +42,7 @@ def database_url(request, tmp_path):
 @pytest.fixture
 def engine(database_url):
     """A migrated ledger on ``database_url``."""
-    eng = make_engine(database_url)
+    eng = open_database(database_url)
     migrate(eng)
     yield eng
     eng.dispose()

@@ -12,7 +12,7 @@ from nats.js.errors import NotFoundError
 from sqlalchemy.orm import Session
 
 from loopline.common import bus, subjects
-from loopline.common.db.engine import make_engine
+from loopline.common.db.engine import open_database
 from loopline.common.db.rows import DeadLetterRow, RequestRow
 from loopline.common.schemas import Choice, ResultItem, SamplingParams, WorkItem
 
@@ -61,7 +61,7 @@ async def test_exhausted_deliveries_fail_the_request(nc, js, start_queue, eventu
     assert res.error is not None and res.error.status == 503 and res.error.type == "server_error"
     assert "dl_0" in res.error.message and "after 2 deliveries" in res.error.message
 
-    engine = make_engine(f"sqlite:///{tmp_path / 'loopline.db'}")
+    engine = open_database(f"sqlite:///{tmp_path / 'loopline.db'}")
     try:
 
         def letter():

@@ -8,7 +8,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from loopline.common import bus, subjects
-from loopline.common.db.engine import make_engine
+from loopline.common.db.engine import open_database
 from loopline.common.db.rows import RequestRow
 from loopline.common.schemas import (
     ClearQueueReply,
@@ -124,7 +124,7 @@ async def test_clear_queue_cancels_what_is_queued(nc, js, start_queue, eventuall
     assert (await js.stream_info(subjects.WORK_STREAM)).state.messages == 0
 
     # The ledger records the cancellations as failures.
-    engine = make_engine(f"sqlite:///{tmp_path / 'loopline.db'}")
+    engine = open_database(f"sqlite:///{tmp_path / 'loopline.db'}")
     try:
 
         def statuses():

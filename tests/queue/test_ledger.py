@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from loopline.common.db.engine import make_engine, migrate
+from loopline.common.db.engine import open_database, migrate
 from loopline.common.db.rows import BatchRow, DeadLetterRow, RequestRow
 from loopline.common.schemas import Choice, ErrorInfo, ResultItem, SamplingParams, WorkItem
 from loopline.queue import ledger
@@ -163,7 +163,7 @@ def test_totals(engine):
 
 
 def test_migrating_twice_is_a_no_op(database_url):
-    engine = make_engine(database_url)
+    engine = open_database(database_url)
     try:
         migrate(engine)
         ledger.write_work_items(engine, [work("g", 0)])

@@ -6,7 +6,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from loopline.common import bus, launcher, subjects
-from loopline.common.db.engine import make_engine
+from loopline.common.db.engine import open_database
 from loopline.common.db.rows import BatchRow, RequestRow
 from loopline.common.schemas import Choice, ErrorInfo, ResultItem, SamplingParams, WorkItem
 
@@ -59,7 +59,7 @@ async def test_work_then_results_reach_the_ledger(database_url, js, start_queue,
     for item in items:
         await publish_work(js, item)
 
-    engine = make_engine(database_url)
+    engine = open_database(database_url)
     try:
 
         def rows() -> dict[str, RequestRow]:
@@ -119,7 +119,7 @@ async def test_ledger_catches_up_after_a_restart(js, start_queue, eventually, tm
     await publish_result(js, result(item, tokens=2))
 
     await start_queue()
-    engine = make_engine(f"sqlite:///{tmp_path / 'loopline.db'}")
+    engine = open_database(f"sqlite:///{tmp_path / 'loopline.db'}")
     try:
 
         def status():

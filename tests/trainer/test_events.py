@@ -9,7 +9,7 @@ import time
 import pytest
 
 from loopline.common import subjects
-from loopline.common.db.engine import make_engine, migrate
+from loopline.common.db.engine import open_database, migrate
 from loopline.common.job_schemas import JobStatus
 from loopline.trainer import jobdir
 from loopline.trainer.events import EventPublisher, event_from_line
@@ -33,7 +33,7 @@ def test_lines_become_events():
 
 @pytest.fixture
 def registry(tmp_path):
-    engine = make_engine(f"sqlite:///{tmp_path / 'jobs.db'}")
+    engine = open_database(f"sqlite:///{tmp_path / 'jobs.db'}")
     migrate(engine)
     yield Registry(engine)
     engine.dispose()

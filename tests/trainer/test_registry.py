@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from loopline.common.db.engine import make_engine, migrate
+from loopline.common.db.engine import open_database, migrate
 from loopline.common.job_schemas import JobStatus
 from loopline.trainer.errors import InvalidRequest, JobNotFound
 from loopline.trainer.registry import Job, Registry
@@ -26,7 +26,7 @@ def registry(request, tmp_path):
         with admin.connect() as conn:
             conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
         url = server.rsplit("/", 1)[0] + "/" + name
-    engine = make_engine(url)
+    engine = open_database(url)
     migrate(engine)
     yield Registry(engine)
     engine.dispose()

@@ -16,7 +16,7 @@ import asyncio
 import os
 
 from loopline.common import subjects
-from loopline.common.db.engine import make_engine, migrate
+from loopline.common.db.engine import open_database, migrate
 from loopline.common.runtime import Runtime
 from loopline.common.settings import QueueSettings
 from loopline.queue.admission import Admission
@@ -32,7 +32,7 @@ async def run(rt: Runtime, settings: QueueSettings) -> None:
         os.nice(settings.nice)
 
     # 2. Migrate before anything reads or writes; alembic is synchronous, so off the event loop.
-    db = make_engine(settings.resolved_database_url())
+    db = open_database(settings.resolved_database_url())
     rt.on_stop(db.dispose)
     await asyncio.to_thread(migrate, db)
 

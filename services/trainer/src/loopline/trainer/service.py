@@ -15,7 +15,7 @@ import signal
 import socket
 
 from loopline.common import bus
-from loopline.common.db.engine import make_engine, migrate
+from loopline.common.db.engine import open_database, migrate
 from loopline.common.settings import TrainerSettings
 from loopline.common.telemetry import setup_tracing
 from loopline.trainer import jobdir
@@ -37,7 +37,7 @@ async def run(settings: TrainerSettings) -> int:
     replica = f"{socket.gethostname()}-{os.getpid()}"
     setup_tracing("loopline-trainer", settings.otlp_endpoint)
 
-    engine = make_engine(settings.resolved_database_url())
+    engine = open_database(settings.resolved_database_url())
     await asyncio.to_thread(migrate, engine)
     settings.jobs_dir.mkdir(parents=True, exist_ok=True)
     await asyncio.to_thread(jobdir.clean_staging, settings.jobs_dir)

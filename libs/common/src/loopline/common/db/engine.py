@@ -21,7 +21,8 @@ def normalise_url(url: str) -> str:
     return url
 
 
-def make_engine(url: str) -> Engine:
+def open_database(url: str) -> Engine:
+    """The SQL database at ``url`` (SQLite or PostgreSQL) as a SQLAlchemy engine (a connection pool)."""
     url = normalise_url(url)
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
