@@ -217,14 +217,14 @@ class EnginePath:
         from transformers import AutoTokenizer
 
         from loopline.common.settings import InferenceSettings
-        from loopline.inference.engine import make_engine
+        from loopline.inference.engine import build_engine
         from loopline.inference.prompts import PromptBuilder
 
         t0 = time.perf_counter()
         defaults = InferenceSettings()
-        self.engine = make_engine("vllm", self.model_path, max_model_len=None, max_inflight=MAX_NUM_SEQS,
-                                  dtype=DTYPE, adapters=self.adapters, max_adapters=defaults.max_adapters,
-                                  max_adapter_rank=defaults.max_adapter_rank)
+        self.engine = build_engine("vllm", self.model_path, max_model_len=None, max_inflight=MAX_NUM_SEQS,
+                                   dtype=DTYPE, adapters=self.adapters, max_adapters=defaults.max_adapters,
+                                   max_adapter_rank=defaults.max_adapter_rank)
         await self.engine.start()
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.builder = PromptBuilder(tokenizer, self.engine.info.max_model_len)

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from loopline.common import bus, subjects
 from loopline.common.schemas import ResultItem, SamplingParams, WorkItem
-from loopline.inference.engine import make_engine
+from loopline.inference.engine import build_engine
 from loopline.inference.prompts import PromptBuilder
 from loopline.inference.worker import Worker
 from support.nats import nats_server
@@ -32,7 +32,7 @@ async def replica(tmp_path_factory):
         await bus.ensure_topology(js)
         await bus.ensure_work_consumer(js, DEPLOYMENT, ack_wait_s=30, max_deliver=3)
         path = tiny_model()
-        engine = make_engine("reference", path, max_model_len=None, max_inflight=8, dtype="auto")
+        engine = build_engine("reference", path, max_model_len=None, max_inflight=8, dtype="auto")
         await engine.start()
         prompts = PromptBuilder(AutoTokenizer.from_pretrained(path), engine.info.max_model_len)
         worker = Worker(nc, js, engine, prompts, deployment=DEPLOYMENT, replica="r1", max_inflight=8,

@@ -94,10 +94,11 @@ def vllm_available() -> bool:
     return True
 
 
-def make_engine(kind: str, model_path: str, *, max_model_len: int | None, max_inflight: int,
-                dtype: str, adapters: bool = False, max_adapters: int = 4,
-                max_adapter_rank: int = 64) -> Engine:
-    """``auto`` picks vLLM where it imports and the transformers reference engine elsewhere."""
+def build_engine(kind: str, model_path: str, *, max_model_len: int | None, max_inflight: int,
+                 dtype: str, adapters: bool = False, max_adapters: int = 4,
+                 max_adapter_rank: int = 64) -> Engine:
+    """The inference engine of ``kind`` for the model folder ``model_path``, not started yet.
+    ``auto`` picks vLLM where it imports and the transformers reference engine elsewhere."""
     if kind == "auto":
         kind = "vllm" if vllm_available() else "reference"
     if kind == "vllm":

@@ -18,7 +18,7 @@ from loopline.common.schemas import DeploymentInfo, ServiceStatus
 from loopline.common.settings import InferenceSettings
 from loopline.common.telemetry import setup_tracing
 from loopline.inference.adapters import AdapterManager
-from loopline.inference.engine import make_engine
+from loopline.inference.engine import build_engine
 from loopline.inference.prompts import PromptBuilder
 from loopline.inference.worker import Worker
 
@@ -37,7 +37,7 @@ async def main(settings: InferenceSettings) -> None:
     setup_tracing("loopline-inference", settings.otlp_endpoint)
     replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
     model_path = await asyncio.to_thread(resolve_model_path, settings)
-    engine = make_engine(settings.engine, model_path, max_model_len=settings.max_model_len,
+    engine = build_engine(settings.engine, model_path, max_model_len=settings.max_model_len,
                          max_inflight=settings.max_inflight, dtype=settings.dtype,
                          adapters=settings.adapters, max_adapters=settings.max_adapters,
                          max_adapter_rank=settings.max_adapter_rank)
