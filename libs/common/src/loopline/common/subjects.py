@@ -133,6 +133,7 @@ QUEUE_SERVICE = "loopline-queue"
 INFERENCE_SERVICE = "loopline-inference"
 TRAINER_SERVICE = "loopline-trainer"
 CHECKPOINT_WATCHER_SERVICE = "loopline-checkpoint-watcher"
+GATEWAY_SERVICE = "loopline-gateway"
 
 SVC_QUEUE_METRICS = "svc.queue.metrics"
 SVC_QUEUE_CLEAR = "svc.queue.clear"
@@ -151,6 +152,7 @@ SVC_TRAINER_SQUEUE = "svc.trainer.squeue"      # {} -> SqueueReply
 SVC_TRAINER_CLUSTER = "svc.trainer.cluster"    # {} -> ClusterInfo
 SVC_TRAINER_STATUS = "svc.trainer.status"      # {} -> ServiceStatus
 SVC_CHECKPOINT_WATCHER_STATUS = "svc.checkpoint_watcher.status"  # {} -> ServiceStatus
+SVC_GATEWAY_STATUS = "svc.gateway.status"      # {} -> ServiceStatus
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 
