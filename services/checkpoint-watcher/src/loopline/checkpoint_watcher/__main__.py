@@ -1,19 +1,13 @@
-"""``python -m loopline.checkpoint_watcher``: settings from LOOPLINE_* variables, logging, then the
-service."""
-
-from __future__ import annotations
-
-import sys
+"""``python -m loopline.checkpoint_watcher`` (and ``loopline-checkpoint-watcher``): the
+checkpoint-watcher under the shared runtime."""
 
 from loopline.checkpoint_watcher.service import run
-from loopline.common import process
+from loopline.common import runtime
 from loopline.common.settings import CheckpointWatcherSettings
 
 
 def main() -> None:
-    settings = CheckpointWatcherSettings()
-    process.setup_logging("checkpoint-watcher", settings.log_level)
-    sys.exit(process.run(run(settings)))
+    runtime.main("checkpoint-watcher", CheckpointWatcherSettings, run)
 
 
 if __name__ == "__main__":

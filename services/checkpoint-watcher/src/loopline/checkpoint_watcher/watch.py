@@ -5,7 +5,7 @@ into a watched ``checkpoints/`` is reported in 11 ms (p50, step=10 ms; 21 ms at 
 step=50 since watchfiles waits one quiet step after the first change), at 0.15 % of a core while
 idle, whatever the number of jobs. Listing every job's checkpoints folder every 50 ms gives ~25 ms
 on average but costs 1.2 % of a core with 50 jobs and 9 % with 500, and grows with every job ever
-run. The loop in service.py still rescans every job every ``rescan_interval_s``: inotify does not
+run. The scan loop (scan_loop.py) still rescans every job every ``rescan_interval_s``: inotify does not
 see writes made by another machine on a shared (NFS) volume, and its queue can overflow; there the
 rescan is the detection, and a short interval is the setting to choose.
 """
@@ -59,6 +59,9 @@ async def watch_jobs(jobs_dir: Path, changed: Callable[[str | None], None], stop
     def wanted(_change: Change, path: str) -> bool:
         return job_of(root, path) is not None
 
+    # Invariant: until ``stop``, either inotify watches the whole tree and each change to a job's
+    # checkpoints reaches ``changed``, or (the watch failed) ``changed(None)`` was called and the
+    # rescans alone find new checkpoints until the watch is set up again.
     while not stop.is_set():
         try:
             async for batch in awatch(root, watch_filter=wanted, step=STEP_MS, debounce=DEBOUNCE_MS,
