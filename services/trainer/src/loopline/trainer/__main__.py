@@ -1,18 +1,12 @@
-"""``python -m loopline.trainer``: settings from LOOPLINE_* variables, logging, then the service."""
+"""``python -m loopline.trainer`` (and ``loopline-trainer``): the trainer under the shared runtime."""
 
-from __future__ import annotations
-
-import sys
-
-from loopline.common import process
+from loopline.common import runtime
 from loopline.common.settings import TrainerSettings
 from loopline.trainer.service import run
 
 
 def main() -> None:
-    settings = TrainerSettings()
-    process.setup_logging("trainer", settings.log_level)
-    sys.exit(process.run(run(settings)))
+    runtime.main("trainer", TrainerSettings, run)
 
 
 if __name__ == "__main__":

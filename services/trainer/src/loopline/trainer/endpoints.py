@@ -1,4 +1,4 @@
-"""The trainer's request-reply endpoints (nats.micro) on svc.trainer.*.
+"""The trainer's request-reply endpoints (nats.micro) on svc.trainer.*, beside the runtime's status.
 
 Requests and replies are the wire types of loopline.common.job_schemas. A refused request is answered
 with nats.micro's error headers, the HTTP status the gateway should use as the code.
@@ -9,9 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
-from nats.aio.client import Client as NATS
-from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
 from pydantic import BaseModel, ValidationError
@@ -27,7 +26,6 @@ from loopline.common.job_schemas import (
     LogsRequest,
     SqueueReply,
 )
-from loopline.common.schemas import ServiceStatus
 from loopline.trainer import jobdir
 from loopline.trainer.control import JobControl
 from loopline.trainer.errors import InvalidRequest, TrainerError, Unavailable
@@ -36,25 +34,18 @@ from loopline.trainer.launchers import LauncherError
 
 log = logging.getLogger(__name__)
 
-VERSION = "0.1.0"
 Handler = Callable[[Request], Awaitable[BaseModel]]
 
 
 class Endpoints:
-    def __init__(self, nc: NATS, control: JobControl, replica: str):
-        self.nc = nc
+    def __init__(self, control: JobControl):
         self.control = control
-        self.replica = replica
         # nats.micro handles one endpoint's requests one after another; a submit that downloads a
         # dataset or a delete that waits for a run to stop must not hold up the others. Each
         # request runs as its own task (the per-job locks order those about one job).
         self._tasks: set[asyncio.Task] = set()
 
-    async def start(self) -> Service:
-        service = await add_service(
-            self.nc, name=subjects.TRAINER_SERVICE, version=VERSION,
-            description="Loopline trainer: training job registry, Slurm submission, job events",
-        )
+    async def add_to(self, service: Service) -> None:
         routes: dict[str, tuple[str, Handler]] = {
             "submit": (subjects.SVC_TRAINER_SUBMIT, self.submit),
             "get": (subjects.SVC_TRAINER_GET, self.get),
@@ -65,11 +56,9 @@ class Endpoints:
             "logs": (subjects.SVC_TRAINER_LOGS, self.logs),
             "squeue": (subjects.SVC_TRAINER_SQUEUE, self.squeue),
             "cluster": (subjects.SVC_TRAINER_CLUSTER, self.cluster),
-            "status": (subjects.SVC_TRAINER_STATUS, self.status),
         }
         for name, (subject, handler) in routes.items():
             await service.add_endpoint(name=name, subject=subject, handler=self._concurrent(name, handler))
-        return service
 
     def _concurrent(self, name: str, handler: Handler) -> Callable[[Request], Awaitable[None]]:
         answer = _answering(name, handler)
@@ -136,13 +125,11 @@ class Endpoints:
             raise Unavailable(str(exc)) from exc
         return ClusterInfo(gpu_count=gpus, node_count=nodes, launcher=launcher.name)
 
-    async def status(self, req: Request) -> BaseModel:
+    async def status_detail(self) -> dict[str, Any]:
+        """What svc.trainer.status reports beside the replica: the launcher and the jobs by status."""
         counts = await asyncio.to_thread(self.control.registry.counts)
-        return ServiceStatus(service="trainer", replica=self.replica, detail={
-            "launcher": self.control.launcher.name,
-            "jobs_dir": str(self.control.jobs_dir),
-            "jobs": counts,
-        })
+        return {"launcher": self.control.launcher.name, "jobs_dir": str(self.control.jobs_dir),
+                "jobs": counts}
 
 
 def _parse(req: Request, model: type[BaseModel]):

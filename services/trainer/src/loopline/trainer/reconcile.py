@@ -1,5 +1,6 @@
-"""One reconcile step: bring each unfinished job's row, events and run in line with its job
-directory and its launcher (and finish publishing for a job the trainer ended just before a crash).
+"""The trainer's reconcile loop, and its step: bring each unfinished job's row, events and run in
+line with its job directory and its launcher (and finish publishing for a job the trainer ended
+just before a crash).
 
 For one job, under its lock:
   1. publish the new lines of events.jsonl;
@@ -16,9 +17,11 @@ The row is only marked finished after the run ended and its last lines were publ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
+from loopline.common import bus
 from loopline.common.job_schemas import JobStatus
 from loopline.trainer import jobdir
 from loopline.trainer.control import JobControl
@@ -28,6 +31,35 @@ from loopline.trainer.registry import Job
 log = logging.getLogger(__name__)
 
 RunStates = dict[tuple[str, str], LaunchState]
+
+
+async def reconcile_loop(control: JobControl, stopping: asyncio.Event, interval_s: float) -> None:
+    """Reconcile every unfinished job every ``interval_s`` until ``stopping``; a job in progress is
+    finished first."""
+    # Invariant: every job the registry holds as QUEUED or TRAINING has a run that the launcher
+    # knows, or gets one (resumed from its last checkpoint) on the next pass. Every complete line
+    # of its events.jsonl is published on events.jobs.<hash>.<kind> once, in file order, through
+    # its last event (completed, failed, cancelled); a finished job whose last event is not
+    # published yet (events_done false) is picked up again until it is. A pass that fails (the
+    # database or a launcher down) is tried again at the next one.
+    while not stopping.is_set():
+        try:
+            jobs = await asyncio.to_thread(control.registry.to_reconcile)
+            states = await run_states(control, jobs)
+            for job in jobs:
+                if stopping.is_set():
+                    break
+                try:
+                    async with control.lock(job.job_hash):
+                        await reconcile_job(control, job.job_hash, states)
+                except bus.BusUnavailable as exc:
+                    log.warning("job %s: events not published yet: %s", job.job_hash, exc)
+                except Exception:  # noqa: BLE001 - one broken job must not stop the others
+                    log.exception("job %s: reconcile failed", job.job_hash)
+        except Exception:  # noqa: BLE001 - the database or a launcher is down: try again next time
+            log.exception("reconcile pass failed")
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stopping.wait(), timeout=interval_s)
 
 
 async def run_states(control: JobControl, jobs: list[Job]) -> RunStates:
