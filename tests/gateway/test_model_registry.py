@@ -1,4 +1,4 @@
-"""The gateway's registry of served models survives a NATS read that fails under load."""
+"""The gateway's directory of served models survives a NATS read that fails under load."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NoKeysError
 
 from loopline.common.schemas import DeploymentInfo
-from loopline.common.settings import GatewaySettings
-from loopline.gateway.bridge import Bridge
+from loopline.gateway.model_directory import ModelDirectory
 
 
 class _Entry:
@@ -40,24 +39,24 @@ class _FlakyBucket:
 
 def test_failed_reads_keep_the_known_models_and_an_empty_bucket_empties_them():
     info = DeploymentInfo(model="tiny", deployment="tiny", max_model_len=256, engine="vllm")
-    bridge = Bridge(GatewaySettings())
+    directory = ModelDirectory(js=None, default_model="tiny", adapters=None, trainer=None)
     bucket = _FlakyBucket([info])
-    bridge.models_kv = bucket
+    directory.bucket = bucket
 
     async def scenario() -> list[set[str]]:
         seen = []
-        await bridge.refresh_models()
-        seen.append(set(bridge.models))
+        await directory.refresh()
+        seen.append(set(directory.served))
         bucket.fail_keys = True  # keys() timing out used to empty the registry
-        await bridge.refresh_models()
-        seen.append(set(bridge.models))
+        await directory.refresh()
+        seen.append(set(directory.served))
         bucket.fail_keys, bucket.fail_get = False, True
-        await bridge.refresh_models()
-        seen.append(set(bridge.models))
+        await directory.refresh()
+        seen.append(set(directory.served))
         bucket.fail_get = False
         bucket.infos = {}  # the replica is gone for good
-        await bridge.refresh_models()
-        seen.append(set(bridge.models))
+        await directory.refresh()
+        seen.append(set(directory.served))
         return seen
 
     assert asyncio.run(scenario()) == [{"tiny"}, {"tiny"}, {"tiny"}, set()]

@@ -1,9 +1,7 @@
-"""The gateway's FastAPI application: routes, error shapes, body limits, tracing, NATS lifecycle."""
+"""The gateway's FastAPI application: routes, error shapes, body limits, tracing. The parts the routes
+use (gateway.py) are built and started before it serves (service.py)."""
 
 from __future__ import annotations
-
-import gc
-from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from opentelemetry import trace
@@ -21,8 +19,7 @@ from loopline.gateway import (
 )
 from loopline.gateway.api_keys import ApiKeys
 from loopline.gateway.body_limit import BodyLimit
-from loopline.gateway.bridge import Bridge
-from loopline.gateway.trainer_bridge import TrainerClient
+from loopline.gateway.gateway import Gateway
 from loopline.gateway.upload_chunks import ChunkStaging
 
 _tracer = tracer("loopline.gateway")
@@ -42,24 +39,10 @@ class TraceRequests:
             await self.app(scope, receive, send)
 
 
-def create_app(settings: GatewaySettings) -> FastAPI:
-    bridge = Bridge(settings)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await bridge.start()
-        # FastAPI, pydantic, OpenTelemetry and nats leave a heap that lives as long as the process;
-        # out of the collector's way, a full collection no longer walks it: measured in bursts of
-        # the serving benchmark, such a collection paused the gateway for about 30 ms.
-        gc.collect()
-        gc.freeze()
-        yield
-        await bridge.stop()
-
-    app = FastAPI(title="Loopline gateway", version="0.1.0", lifespan=lifespan)
+def create_app(settings: GatewaySettings, gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="Loopline gateway", version="0.1.0")
     app.state.settings = settings
-    app.state.bridge = bridge
-    app.state.trainer = TrainerClient(bridge, settings.trainer_timeout_s)
+    app.state.gateway = gateway  # gateway_of(request)
     app.state.upload_staging = ChunkStaging(settings.state_dir / "uploads", settings.upload_ttl_s)
     errors.install(app)
 

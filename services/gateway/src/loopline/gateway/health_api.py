@@ -7,6 +7,7 @@ import asyncio
 from fastapi import APIRouter, Request
 
 from loopline.common import subjects
+from loopline.gateway.gateway import gateway_of
 
 router = APIRouter(prefix="/v1/health")
 
@@ -16,6 +17,7 @@ ROLES = {
     "megatron": subjects.TRAINER_SERVICE,
     "queue": subjects.QUEUE_SERVICE,
     "checkpoint_watcher": subjects.CHECKPOINT_WATCHER_SERVICE,
+    "gateway": subjects.GATEWAY_SERVICE,
 }
 # What the serving path needs; the others are reported but do not make the platform "down".
 REQUIRED = ("vllm", "queue")
@@ -23,20 +25,20 @@ REQUIRED = ("vllm", "queue")
 
 @router.get("")
 async def health(request: Request):
-    bridge = request.app.state.bridge
+    services = gateway_of(request).services
     try:
-        replies = await asyncio.gather(*(bridge.ping(name) for name in ROLES.values()))
+        replies = await asyncio.gather(*(services.ping(name) for name in ROLES.values()))
     except Exception as exc:  # noqa: BLE001 - NATS itself is down
         down = {"status": "down", "reason": f"message bus unreachable: {exc}"}
         return {"api": "up", **{role: down for role in ROLES}, "all": "down", "services": {}}
     body: dict = {"api": "up"}
-    services = {}
+    instances_of = {}
     for (role, name), instances in zip(ROLES.items(), replies):
-        services[role] = [{"id": i.get("id"), **(i.get("metadata") or {})} for i in instances]
+        instances_of[role] = [{"id": i.get("id"), **(i.get("metadata") or {})} for i in instances]
         body[role] = "up" if instances else {"status": "down", "reason": f"no {name} instance answered"}
     up = [role for role in REQUIRED if body[role] == "up"]
     body["all"] = "up" if len(up) == len(REQUIRED) else ("mixed" if up else "down")
-    body["services"] = services
+    body["services"] = instances_of
     return body
 
 

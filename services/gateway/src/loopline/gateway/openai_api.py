@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from loopline.common import subjects
 from loopline.common.schemas import ResultItem, SamplingParams, TokenDelta
-from loopline.gateway.bridge import Bridge
+from loopline.gateway.answers import Answers
 from loopline.gateway.errors import ApiError
+from loopline.gateway.gateway import gateway_of
 from loopline.gateway.openai_models import ChatCompletionRequest, CommonParams, CompletionRequest
+from loopline.gateway.results import Results
 from loopline.gateway.submit import Prompt, fresh_group, request_id, submit_prompts
 
 router = APIRouter(prefix="/v1")
@@ -28,15 +29,16 @@ KEEPALIVE_S = 15.0
 async def list_models(request: Request):
     """The served models, then the deployed adapters (as vLLM lists LoRA modules: ``parent`` is
     the base model, and the id is what to put in ``model``: the job hash)."""
-    bridge: Bridge = request.app.state.bridge
-    await bridge.refresh_models()
+    gateway = gateway_of(request)
+    await gateway.models.refresh()
+    served = gateway.models.served
     data = [
         {"id": info.model, "object": "model", "created": int(info.created_at), "owned_by": "loopline",
          "root": info.model, "parent": None, "max_model_len": info.max_model_len, "engine": info.engine}
-        for info in bridge.models.values()
+        for info in served.values()
     ]
-    for adapter in sorted(bridge.adapters.served.values(), key=lambda a: a.first_loaded_at):
-        base = bridge.models.get(adapter.base_model)
+    for adapter in sorted(gateway.adapters.served.values(), key=lambda a: a.first_loaded_at):
+        base = served.get(adapter.base_model)
         if base is not None:
             data.append({"id": adapter.job_hash, "object": "model", "created": int(adapter.first_loaded_at),
                          "owned_by": "loopline", "root": adapter.job_hash, "parent": base.model,
@@ -63,19 +65,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 
 async def _serve(request: Request, body: CommonParams, prompts: list[Prompt], *, chat: bool):
-    bridge: Bridge = request.app.state.bridge
-    deployment = await bridge.resolve(body.model)
+    gateway = gateway_of(request)
+    route = await gateway.models.resolve(body.model)
     sampling = SamplingParams(
         max_tokens=body.max_tokens or request.app.state.settings.default_max_tokens,
         temperature=body.temperature, top_p=body.top_p, stop=body.stop_list(), seed=body.seed, n=body.n,
     )
     group = fresh_group()
-    shape = _Shape(chat=chat, model=deployment.model, id=("chatcmpl-" if chat else "cmpl-") + group,
-                   n=body.n, adapter=deployment.adapter)
-    events = _Events(bridge, group, len(prompts))
+    shape = _Shape(chat=chat, model=route.model, id=("chatcmpl-" if chat else "cmpl-") + group,
+                   n=body.n, adapter=route.adapter)
+    events = _Events(gateway.answers, gateway.results, group, len(prompts))
     await events.open(stream=body.stream)
     try:
-        ids, _ = await submit_prompts(bridge, deployment, group, prompts, sampling, kind="openai",
+        ids, _ = await submit_prompts(gateway, route, group, prompts, sampling, kind="openai",
                                       stream=body.stream, reply_to=events.reply_to)
         if not body.stream:
             results = await events.all_results(ANSWER_TIMEOUT_S)
@@ -98,22 +100,22 @@ async def _serve(request: Request, body: CommonParams, prompts: list[Prompt], *,
 class _Events:
     """Token deltas and results of one OpenAI request, in arrival order."""
 
-    def __init__(self, bridge: Bridge, group: str, count: int):
-        self.bridge, self.group, self.count = bridge, group, count
+    def __init__(self, answers: Answers, results: Results, group: str, count: int):
+        self.answers = answers  # where the results arrive
+        self.stored = results  # where a result missed in a reconnect is found, and the token streams
+        self.group, self.count = group, count
         self.queue: asyncio.Queue = asyncio.Queue()
         self.results: dict[int, ResultItem] = {}
         self.subs = []
+        self.reply_to: str | None = None  # set by open()
 
     async def open(self, *, stream: bool) -> None:
         """Listen before the work is published, so that no answer can arrive unheard."""
-        self.reply_to = self.bridge.answers.expect(self.group, self._on_result)
+        self.reply_to = self.answers.expect(self.group, self._on_result)
         if stream:
-            async def on_delta(msg) -> None:
-                self.queue.put_nowait(TokenDelta.model_validate_json(msg.data))
-
             for i in range(self.count):
-                self.subs.append(await self.bridge.nc.subscribe(
-                    subjects.token_stream(request_id(self.group, i)), cb=on_delta))
+                self.subs.append(await self.stored.follow_tokens(request_id(self.group, i),
+                                                                 self.queue.put_nowait))
 
     def _on_result(self, result: ResultItem) -> None:
         if result.index not in self.results:
@@ -130,7 +132,7 @@ class _Events:
                 # A NATS reconnect drops core messages: look the missing results up in the stream.
                 for i in range(self.count):
                     if i not in self.results:
-                        found = await self.bridge.lookup(self.group, i)
+                        found = await self.stored.lookup(self.group, i)
                         if found is not None:
                             self._on_result(found)
                             return self.queue.get_nowait()
@@ -147,7 +149,7 @@ class _Events:
         return [self.results[i] for i in range(self.count)]
 
     async def close(self) -> None:
-        self.bridge.answers.forget(self.group)
+        self.answers.forget(self.group)
         for sub in self.subs:
             try:
                 await sub.unsubscribe()

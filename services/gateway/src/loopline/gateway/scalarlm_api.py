@@ -23,8 +23,8 @@ from loopline.common.schemas import (
     SamplingParams,
     WorkItem,
 )
-from loopline.gateway.bridge import Bridge
 from loopline.gateway.errors import ApiError
+from loopline.gateway.gateway import Gateway, gateway_of
 from loopline.gateway.submit import (
     Prompt,
     check_max_tokens,
@@ -54,10 +54,6 @@ class DownloadRequest(BaseModel):
     request_id: str
 
 
-def bridge_of(request: Request) -> Bridge:
-    return request.app.state.bridge
-
-
 def parse_prompt(entry: Any, where: str) -> Prompt:
     if isinstance(entry, str):
         return Prompt(text=entry)
@@ -83,7 +79,7 @@ def result_entry(rid: str, result: ResultItem | None) -> dict:
     return entry
 
 
-async def collect(bridge: Bridge, ids: list[str], timeout_s: float, *, stored_first: bool) -> list[dict]:
+async def collect(gateway: Gateway, ids: list[str], timeout_s: float, *, stored_first: bool) -> list[dict]:
     """Long-poll: wait up to ``timeout_s`` for the results of ``ids``; null for what is not done."""
     by_group: dict[str, list[int]] = {}
     for rid in ids:
@@ -91,13 +87,13 @@ async def collect(bridge: Bridge, ids: list[str], timeout_s: float, *, stored_fi
         by_group.setdefault(group, []).append(index)
     found: dict[str, ResultItem] = {}
     for group, indices in by_group.items():
-        waiter = await bridge.results(group)
+        waiter = await gateway.results.waiter(group)
         try:
             got = await waiter.wait(indices, timeout_s, stored_first=stored_first)
         finally:
             await waiter.close()
         found.update({request_id(group, i): r for i, r in got.items()})
-        if not got and stored_first and await bridge.manifest(group) is None:
+        if not got and stored_first and await gateway.work.manifest(group) is None:
             raise ApiError(404, f"no request with ids {request_id(group, indices[0])}…: unknown or expired",
                            param="request_ids")
     return [result_entry(rid, found.get(rid)) for rid in ids]
@@ -105,7 +101,7 @@ async def collect(bridge: Bridge, ids: list[str], timeout_s: float, *, stored_fi
 
 @router.post("")
 async def generate(body: GenerateRequest, request: Request):
-    bridge = bridge_of(request)
+    gateway = gateway_of(request)
     settings = request.app.state.settings
     if not body.prompts:
         raise ApiError(400, "prompts is empty: send at least one prompt", param="prompts")
@@ -113,19 +109,19 @@ async def generate(body: GenerateRequest, request: Request):
         raise ApiError(413, f"{len(body.prompts)} prompts in one request; the limit is "
                             f"{settings.max_prompts_per_request}: use /v1/generate/upload")
     prompts = [parse_prompt(p, f"prompts[{i}]") for i, p in enumerate(body.prompts)]
-    deployment = await bridge.resolve(body.model)
+    route = await gateway.models.resolve(body.model)
     max_tokens = body.max_tokens or settings.default_max_tokens
     sampling = SamplingParams(max_tokens=max_tokens, temperature=body.temperature)
-    key = {"prompts": body.prompts, "model": deployment.model, "max_tokens": max_tokens,
+    key = {"prompts": body.prompts, "model": route.model, "max_tokens": max_tokens,
            "temperature": body.temperature}
-    if deployment.adapter is not None:
+    if route.adapter is not None:
         # Batches are content-addressed; the same prompts after further training are a new batch.
-        key["adapter_step"] = deployment.step
+        key["adapter_step"] = route.step
     group = content_group(key)
     # Listen before publishing, so a fast answer cannot slip past between the two.
-    waiter = await bridge.results(group)
+    waiter = await gateway.results.waiter(group)
     try:
-        ids, known = await submit_prompts(bridge, deployment, group, prompts, sampling, kind="generate",
+        ids, known = await submit_prompts(gateway, route, group, prompts, sampling, kind="generate",
                                           skip_if_known=True)
         found = await waiter.wait(list(range(len(ids))), settings.response_timeout_s, stored_first=known)
     finally:
@@ -138,14 +134,14 @@ async def generate(body: GenerateRequest, request: Request):
 async def get_results(body: ResultsRequest, request: Request):
     if not body.request_ids:
         raise ApiError(400, "request_ids is empty", param="request_ids")
-    results = await collect(bridge_of(request), body.request_ids,
+    results = await collect(gateway_of(request), body.request_ids,
                             request.app.state.settings.response_timeout_s, stored_first=True)
     return JSONResponse({"results": results})
 
 
 @router.post("/upload")
 async def upload(file: UploadFile, request: Request):
-    bridge = bridge_of(request)
+    gateway = gateway_of(request)
     settings = request.app.state.settings
     data = await file.read(settings.max_upload_bytes + 1)
     if len(data) > settings.max_upload_bytes:
@@ -157,7 +153,7 @@ async def upload(file: UploadFile, request: Request):
     if not isinstance(entries, list) or not entries:
         raise ApiError(400, "the uploaded file must be a non-empty JSON array of requests")
     group = hashlib.sha256(data).hexdigest()
-    if await bridge.manifest(group) is not None:
+    if await gateway.work.manifest(group) is not None:
         return {"request_id": group, "error": None}
     # One batch may name several models or lengths; each run of equal settings is published together.
     runs: dict[tuple[str | None, int], list[tuple[int, Prompt]]] = {}
@@ -171,30 +167,30 @@ async def upload(file: UploadFile, request: Request):
         runs.setdefault((entry.get("model"), max_tokens), []).append((i, prompt))
     plans = []
     for (model, max_tokens), members in runs.items():
-        deployment = await bridge.resolve(model)
-        check_max_tokens(deployment, max_tokens)
-        plans.append((deployment, max_tokens, members))
-    for deployment, max_tokens, members in plans:
-        bridge.admit(deployment.deployment, len(members))
+        route = await gateway.models.resolve(model)
+        check_max_tokens(route, max_tokens)
+        plans.append((route, max_tokens, members))
+    for route, max_tokens, members in plans:
+        gateway.admission.admit(route.deployment, len(members))
     manifest = BatchManifest(group=group, total=len(entries), model=plans[0][0].model, kind="upload")
-    for n, (deployment, max_tokens, members) in enumerate(plans):
-        items = [WorkItem(request_id=request_id(group, i), group=group, index=i, model=deployment.model,
-                          prompt=p.text, messages=p.messages, adapter=deployment.adapter,
+    for n, (route, max_tokens, members) in enumerate(plans):
+        items = [WorkItem(request_id=request_id(group, i), group=group, index=i, model=route.model,
+                          prompt=p.text, messages=p.messages, adapter=route.adapter,
                           sampling=SamplingParams(max_tokens=max_tokens), kind="upload",
                           batch_total=len(entries))
                  for i, p in members]
         # The manifest goes last: a batch is "known" only once all its work is durable.
-        await bridge.submit(manifest if n == len(plans) - 1 else None, items, deployment.deployment)
+        await gateway.work.publish(manifest if n == len(plans) - 1 else None, items, route.deployment)
     return {"request_id": group, "error": None}
 
 
 @router.post("/download")
 async def download(body: DownloadRequest, request: Request):
-    bridge = bridge_of(request)
-    manifest = await bridge.manifest(body.request_id)
+    gateway = gateway_of(request)
+    manifest = await gateway.work.manifest(body.request_id)
     if manifest is None:
         raise ApiError(404, f"no uploaded batch {body.request_id!r}: unknown or expired", param="request_id")
-    waiter = await bridge.results(manifest.group)
+    waiter = await gateway.results.waiter(manifest.group)
     try:
         found = await waiter.wait(list(range(manifest.total)), request.app.state.settings.response_timeout_s,
                                   stored_first=True)
@@ -212,11 +208,11 @@ async def download(body: DownloadRequest, request: Request):
 
 @router.get("/metrics")
 async def metrics(request: Request):
-    data = await bridge_of(request).request(subjects.SVC_QUEUE_METRICS)
+    data = await gateway_of(request).services.request(subjects.SVC_QUEUE_METRICS)
     return QueueMetrics.model_validate_json(data).model_dump(by_alias=True)
 
 
 @router.post("/clear_queue")
 async def clear_queue(request: Request):
-    data = await bridge_of(request).request(subjects.SVC_QUEUE_CLEAR, timeout=30)
+    data = await gateway_of(request).services.request(subjects.SVC_QUEUE_CLEAR, timeout=30)
     return ClearQueueReply.model_validate_json(data).model_dump()

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from loopline.common.schemas import BatchManifest, SamplingParams, WorkItem
-from loopline.gateway.bridge import Bridge, Route
 from loopline.gateway.errors import ApiError
+from loopline.gateway.gateway import Gateway
+from loopline.gateway.model_directory import Route
 
 
 @dataclass
@@ -43,36 +44,36 @@ def fresh_group() -> str:
     return uuid.uuid4().hex
 
 
-def check_max_tokens(deployment: Route, max_tokens: int) -> None:
-    if max_tokens > deployment.max_model_len:
+def check_max_tokens(route: Route, max_tokens: int) -> None:
+    if max_tokens > route.max_model_len:
         raise ApiError(
             400,
             f"max_tokens={max_tokens} is beyond this model's context length of "
-            f"{deployment.max_model_len} tokens; lower it",
+            f"{route.max_model_len} tokens; lower it",
             param="max_tokens",
         )
 
 
-async def submit_prompts(bridge: Bridge, deployment: Route, group: str, prompts: list[Prompt],
+async def submit_prompts(gateway: Gateway, route: Route, group: str, prompts: list[Prompt],
                          sampling: SamplingParams, *, kind: str, stream: bool = False,
                          skip_if_known: bool = False, reply_to: str | None = None) -> tuple[list[str], bool]:
     """Publish one work item per prompt. Returns their request ids in prompt order, and whether
     the batch had been accepted before (then nothing is published: its work is queued or done).
     ``reply_to``: where the replica also sends each result at once (Answers.expect)."""
-    check_max_tokens(deployment, sampling.max_tokens)
+    check_max_tokens(route, sampling.max_tokens)
     ids = [request_id(group, i) for i in range(len(prompts))]
-    if skip_if_known and await bridge.manifest(group) is not None:
+    if skip_if_known and await gateway.work.manifest(group) is not None:
         return ids, True
-    bridge.admit(deployment.deployment, len(prompts))
+    gateway.admission.admit(route.deployment, len(prompts))
     items = [
-        WorkItem(request_id=rid, group=group, index=i, model=deployment.model, prompt=p.text,
-                 messages=p.messages, sampling=sampling, stream=stream, adapter=deployment.adapter,
+        WorkItem(request_id=rid, group=group, index=i, model=route.model, prompt=p.text,
+                 messages=p.messages, sampling=sampling, stream=stream, adapter=route.adapter,
                  kind=kind, batch_total=len(prompts), reply_to=reply_to)
         for i, (rid, p) in enumerate(zip(ids, prompts))
     ]
     # OpenAI requests are answered on the connection that made them, so they need no manifest;
     # ScalarLM batches are polled for later, possibly through another gateway.
     manifest = None if kind == "openai" else BatchManifest(
-        group=group, total=len(prompts), model=deployment.model, kind=kind)
-    await bridge.submit(manifest, items, deployment.deployment)
+        group=group, total=len(prompts), model=route.model, kind=kind)
+    await gateway.work.publish(manifest, items, route.deployment)
     return ids, False

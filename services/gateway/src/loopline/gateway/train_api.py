@@ -11,6 +11,7 @@ from starlette.datastructures import UploadFile
 
 from loopline.common import subjects
 from loopline.gateway.errors import ApiError
+from loopline.gateway.gateway import gateway_of
 from loopline.gateway.train_models import ModelList, TrainResponse, model_entry
 from loopline.gateway.train_submit import parse_params, respond, submit_archive, trainer_of
 
@@ -48,7 +49,7 @@ async def get_training_job(job: str, request: Request):
 @router.get("/list_models", response_model=ModelList)
 async def list_models(request: Request):
     jobs = await trainer_of(request).list()
-    adapters = request.app.state.bridge.adapters
+    adapters = gateway_of(request).adapters
     return ModelList(models=[model_entry(info, adapters.deployed(info.job_hash)) for info in jobs.jobs])
 
 

@@ -17,8 +17,8 @@ from pydantic import ValidationError
 from loopline.common import subjects
 from loopline.common.job_schemas import JobEvent, LogLines, LogsRequest
 from loopline.gateway.errors import ApiError
-from loopline.gateway.train_submit import trainer_of
-from loopline.gateway.trainer_bridge import TrainerClient
+from loopline.gateway.gateway import gateway_of
+from loopline.gateway.trainer_client import TrainerClient
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/megatron")
@@ -41,7 +41,7 @@ async def train_logs(job: str, request: Request, starting_line_number: int = Que
     """NDJSON lines ``{"line", "line_number"}`` as ScalarLM's CLI parses them (each chunk as JSON lines,
     so no ``data:`` prefix), served as text/event-stream. Follows the log until the job is over;
     ``follow=false`` returns what is there now."""
-    trainer = trainer_of(request)
+    trainer = gateway_of(request).trainer
     first = await trainer.logs(LogsRequest(job=job, starting_line_number=starting_line_number,
                                            limit=LOG_PAGE))
     return StreamingResponse(_log_lines(trainer, first, starting_line_number, follow),
@@ -73,7 +73,7 @@ async def _log_lines(trainer: TrainerClient, page: LogLines, next_line: int, fol
 @router.get("/train/{job}/events")
 async def job_events(job: str, request: Request):
     """One job's events, from its first (queued) to its last (completed, failed or cancelled)."""
-    trainer = trainer_of(request)
+    trainer = gateway_of(request).trainer
     info = await trainer.get(job)
     sub = await trainer.follow_events(subjects.job_events(info.job_hash))
     return StreamingResponse(_sse(sub, one_job=True, over=info.status.finished),
@@ -83,7 +83,7 @@ async def job_events(job: str, request: Request):
 @router.get("/events")
 async def all_job_events(request: Request):
     """Every job's events, stored ones first, then live; the stream does not end by itself."""
-    sub = await trainer_of(request).follow_events(subjects.JOB_EVENTS_ALL)
+    sub = await gateway_of(request).trainer.follow_events(subjects.JOB_EVENTS_ALL)
     return StreamingResponse(_sse(sub, one_job=False, over=False),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 

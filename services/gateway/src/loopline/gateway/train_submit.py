@@ -20,8 +20,9 @@ from loopline.common import jobs
 from loopline.common.job_schemas import JobInfo, JobSubmit
 from loopline.common.settings import GatewaySettings
 from loopline.gateway.errors import ApiError
+from loopline.gateway.gateway import gateway_of
 from loopline.gateway.train_models import TrainResponse, train_response
-from loopline.gateway.trainer_bridge import TrainerClient
+from loopline.gateway.trainer_client import TrainerClient
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +31,13 @@ _STATUS_OF = {jobs.BadArchive: 400, jobs.UnsafeArchive: 400, jobs.ArchiveTooLarg
 
 
 def trainer_of(request: Request) -> TrainerClient:
-    return request.app.state.trainer
+    return gateway_of(request).trainer
 
 
 def respond(request: Request, info: JobInfo) -> TrainResponse:
     # Deployed once an inference replica serves the job hash as a model (MODELS bucket).
     # Deployed: some inference replica has loaded a checkpoint of the job (gateway/adapters.py).
-    return train_response(info, deployed=request.app.state.bridge.adapters.deployed(info.job_hash))
+    return train_response(info, deployed=gateway_of(request).adapters.deployed(info.job_hash))
 
 
 def parse_params(raw: str | bytes | dict | None) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""The gateway's side of training on NATS: the trainer's request-reply API (svc.trainer.*), the
-``datasets`` object store, and the job events users follow.
+"""The gateway's one way to ask the trainer: its request-reply API (svc.trainer.*), the ``datasets``
+object store, and the job events users follow.
 
 The trainer answers errors through nats.micro's error headers with an HTTP status as the code; they
 become the same HTTP status here. No trainer running is a 503, a trainer too slow a 504.
@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 from typing import IO, TypeVar
 
+from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from nats.js.errors import ObjectNotFoundError
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
@@ -27,7 +29,6 @@ from loopline.common.job_schemas import (
     LogsRequest,
     SqueueReply,
 )
-from loopline.gateway.bridge import Bridge
 from loopline.gateway.errors import ApiError
 
 Reply = TypeVar("Reply", bound=BaseModel)
@@ -36,10 +37,11 @@ SUBMIT_TIMEOUT_FACTOR = 4
 
 
 class TrainerClient:
-    def __init__(self, bridge: Bridge, timeout_s: float):
-        self.bridge = bridge
+    def __init__(self, nc: NATS, js: JetStreamContext, timeout_s: float):
+        self.nc = nc
+        self.js = js
         self.timeout_s = timeout_s
-        self._datasets = None
+        self._datasets = None  # the object store, opened at the first upload
 
     # --- request-reply ------------------------------------------------------------------------------
     async def call(self, subject: str, body: BaseModel | None, reply: type[Reply],
@@ -47,7 +49,7 @@ class TrainerClient:
         payload = body.model_dump_json().encode() if body is not None else b"{}"
         timeout_s = timeout_s or self.timeout_s
         try:
-            msg = await self.bridge.nc.request(subject, payload, timeout=timeout_s)
+            msg = await self.nc.request(subject, payload, timeout=timeout_s)
         except NoRespondersError as exc:
             raise ApiError(503, f"the trainer is not running (nobody answers {subject}); retry later",
                            headers={"Retry-After": "5"}) from exc
@@ -66,8 +68,8 @@ class TrainerClient:
         except ValidationError as exc:
             raise ApiError(502, f"the trainer's answer to {subject} is malformed: {exc}") from exc
 
-    async def get(self, job: str) -> JobInfo:
-        return await self.call(subjects.SVC_TRAINER_GET, JobRef(job=job), JobInfo)
+    async def get(self, job: str, timeout_s: float | None = None) -> JobInfo:
+        return await self.call(subjects.SVC_TRAINER_GET, JobRef(job=job), JobInfo, timeout_s)
 
     async def find(self, job_hash: str) -> JobInfo | None:
         """The job if the trainer knows it; None when it answers 404."""
@@ -104,7 +106,7 @@ class TrainerClient:
         (the same bytes uploaded again cost nothing). Returns whether it was written now."""
         try:
             if self._datasets is None:
-                self._datasets = await self.bridge.js.object_store(subjects.DATASETS_BUCKET)
+                self._datasets = await self.js.object_store(subjects.DATASETS_BUCKET)
             try:
                 await self._datasets.get_info(name)
                 return False
@@ -121,7 +123,7 @@ class TrainerClient:
         """An ordered, ephemeral consumer on EVENTS from the first stored event: a client that comes
         late still sees the whole history, then what happens next. Unsubscribe when done."""
         try:
-            return await self.bridge.js.subscribe(subject_filter, stream=subjects.EVENTS_STREAM,
+            return await self.js.subscribe(subject_filter, stream=subjects.EVENTS_STREAM,
                                                   ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
         except Exception as exc:  # noqa: BLE001 - NATS down
             raise ApiError(503, f"cannot follow job events: {exc}; retry") from exc

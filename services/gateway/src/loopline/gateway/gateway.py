@@ -1,0 +1,61 @@
+"""The gateway's parts, each with one role, all on one NATS connection; the routes reach them through
+``gateway_of(request)``.
+
+The gateway owns nothing persistent. A request is accepted once JetStream has acked its work items;
+from then on its answer lives in RESULTS, where any gateway can find it by subject.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from loopline.common.settings import GatewaySettings
+from loopline.gateway.adapters import AdapterRegistry
+from loopline.gateway.admission import Admission
+from loopline.gateway.answers import Answers
+from loopline.gateway.model_directory import ModelDirectory
+from loopline.gateway.results import Results
+from loopline.gateway.service_calls import ServiceCalls
+from loopline.gateway.trainer_client import TrainerClient
+from loopline.gateway.work import WorkPublisher
+
+
+class Gateway:
+    def __init__(self, nc: NATS, js: JetStreamContext, settings: GatewaySettings):
+        self.settings = settings
+        self.trainer = TrainerClient(nc, js, settings.trainer_timeout_s)  # svc.trainer.*, datasets, job events
+        self.adapters = AdapterRegistry(js)  # which training jobs replicas have loaded
+        self.models = ModelDirectory(js, settings.model, self.adapters, self.trainer)  # model -> Route
+        self.admission = Admission(nc, settings.retry_after_s)  # queue depth -> 429
+        self.work = WorkPublisher(js, settings.retry_after_s)  # work items and batch manifests
+        self.results = Results(nc, js)  # stored results, waiters, token streams
+        self.answers = Answers(nc)  # this gateway's answers.<id>.* subscription
+        self.services = ServiceCalls(nc)  # the queue's svc.queue.*, $SRV.PING for /v1/health
+
+    async def start(self) -> None:
+        """Subscribe and make the first reads; the gateway can route requests once this returns."""
+        await self.admission.start()
+        await self.answers.start()
+        await self.work.start()
+        await self.models.start()
+        await self.adapters.start()
+
+    async def stop(self) -> None:
+        await self.adapters.stop()
+
+    def status_detail(self) -> dict[str, Any]:
+        """What svc.gateway.status reports beside the replica."""
+        return {
+            "models": sorted(self.models.served),
+            "adapters_deployed": len(self.adapters.served),
+            "answers": self.answers.gateway,
+        }
+
+
+def gateway_of(request: Request) -> Gateway:
+    """The running gateway's parts, for a route."""
+    return request.app.state.gateway

@@ -1,0 +1,115 @@
+"""Finding a request's results: stored ones in RESULTS, and those that arrive while a client waits.
+
+Replicas store every result in RESULTS under ``results.<group>.<index>``, so any gateway can answer
+for any request; they also publish it on core NATS, which is how a waiting gateway hears it at once.
+Core messages are lost while NATS reconnects: waiters look what they may have missed up in the store.
+(OpenAI requests hear their results through answers.py instead; they use the look-ups below.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from loopline.common import subjects
+from loopline.common.schemas import ResultItem, TokenDelta
+
+log = logging.getLogger(__name__)
+
+# While waiting, results we may have missed (a NATS reconnect drops core messages) are looked up.
+RECHECK_S = 1.0
+
+
+class Results:
+    def __init__(self, nc: NATS, js: JetStreamContext):
+        self.nc = nc
+        self.js = js
+
+    async def lookup(self, group: str, index: int) -> ResultItem | None:
+        """The stored result of one request, or None (not done yet, expired, or NATS restarting)."""
+        try:
+            raw = await self.js.get_last_msg(subjects.RESULTS_STREAM, subjects.result(group, index),
+                                             direct=True)
+        except NotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - NATS restarting: the caller asks again later
+            log.debug("lookup of %s.%d failed: %s", group, index, exc)
+            return None
+        return ResultItem.model_validate_json(raw.data)
+
+    async def waiter(self, group: str) -> ResultWaiter:
+        """A waiter for ``group``'s results, already listening; close it when done."""
+        waiter = ResultWaiter(self, group)
+        await waiter.open()
+        return waiter
+
+    async def follow_tokens(self, request_id: str, on_delta: Callable[[TokenDelta], None]) -> Subscription:
+        """Hand each token delta of a streaming request to ``on_delta``; unsubscribe when done.
+        Deltas are core messages, lost in a reconnect: the request's result is the authority."""
+        async def on_msg(msg: Msg) -> None:
+            on_delta(TokenDelta.model_validate_json(msg.data))
+
+        return await self.nc.subscribe(subjects.token_stream(request_id), cb=on_msg)
+
+
+class ResultWaiter:
+    """Collects a group's results: those already stored and those that arrive while we wait."""
+
+    def __init__(self, results: Results, group: str):
+        self.results = results
+        self.group = group
+        self.found: dict[int, ResultItem] = {}
+        self._arrived = asyncio.Event()
+        self._sub: Subscription | None = None
+
+    async def open(self) -> None:
+        self._sub = await self.results.nc.subscribe(subjects.results_of_group(self.group), cb=self._on_msg)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        result = ResultItem.model_validate_json(msg.data)
+        self.found.setdefault(result.index, result)
+        self._arrived.set()
+
+    async def fill_from_store(self, indices: Iterable[int]) -> None:
+        missing = [i for i in indices if i not in self.found]
+        found = await asyncio.gather(*(self.results.lookup(self.group, i) for i in missing))
+        for i, result in zip(missing, found):
+            if result is not None:
+                self.found.setdefault(i, result)
+
+    async def wait(self, indices: list[int], timeout_s: float, *, stored_first: bool) -> dict[int, ResultItem]:
+        """Return the results of ``indices`` available within ``timeout_s``."""
+        wanted = set(indices)
+        if stored_first:
+            await self.fill_from_store(wanted)
+        deadline = time.monotonic() + timeout_s
+        next_check = time.monotonic() + RECHECK_S
+        # Invariant: self.found holds every result seen so far; we return as soon as it covers
+        # every wanted index, or when the deadline passes.
+        while not wanted.issubset(self.found):
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if now >= next_check:
+                await self.fill_from_store(wanted)
+                next_check = now + RECHECK_S
+                continue
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout=min(deadline, next_check) - now)
+            except asyncio.TimeoutError:
+                pass
+        return {i: self.found[i] for i in wanted if i in self.found}
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None

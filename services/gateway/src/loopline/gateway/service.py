@@ -1,0 +1,42 @@
+"""The gateway process: connect, build the parts, report as ``loopline-gateway``, serve HTTP.
+
+Loops, each its own task under the shared runtime (loopline.common.runtime):
+  http     uvicorn: the OpenAI and ScalarLM routes              (http_server.py)
+  models   MODELS bucket -> the served models, every 2 s         (model_directory.py)
+The rest of the gateway runs on NATS subscriptions (queue state, answers, adapter events), which
+need no loop of their own. The gateway listens only once every part has started: a client that
+reaches it can be routed.
+"""
+
+from __future__ import annotations
+
+from loopline.common import subjects
+from loopline.common.runtime import Runtime
+from loopline.common.settings import GatewaySettings
+from loopline.gateway.app import create_app
+from loopline.gateway.gateway import Gateway
+from loopline.gateway.http_server import HttpServer
+
+
+async def run(rt: Runtime, settings: GatewaySettings) -> None:
+    # 1. Connect (and make sure every stream and bucket exists).
+    nc, js = await rt.connect()
+
+    # 2. Build the parts, subscribe and read the served models; unsubscribe at the stop.
+    gateway = Gateway(nc, js, settings)
+    await gateway.start()
+    rt.on_stop(gateway.stop)
+
+    # 3. Report as an instance of loopline-gateway ($SRV.PING, svc.gateway.status).
+    await rt.add_service(
+        subjects.GATEWAY_SERVICE, subjects.SVC_GATEWAY_STATUS, status=gateway.status_detail,
+        description="Loopline gateway: OpenAI- and ScalarLM-compatible REST over NATS",
+        metadata={"http": f"{settings.host}:{settings.port}", "answers": gateway.answers.gateway})
+
+    # 4. Serve HTTP and keep the model registry fresh until told to stop; in-flight requests finish
+    #    before NATS drains.
+    server = HttpServer(create_app(settings, gateway), settings)
+    await rt.serve({
+        "http": server.run(rt.stopping),
+        "models": gateway.models.run(rt.stopping),
+    })
