@@ -534,8 +534,8 @@ async def measure(a: EnginePath, b: PlatformPath, c: PlatformBatchPath, tap: Tap
             await path.one(text, stream=True)
         await path.burst(warmup)
     await c.burst(warmup)
-    # As the replica does once it is up (inference/service.py): the engine's long-lived heap out of
-    # the collector's way, so (a) and this process's client do not pause for it.
+    # As every service does once it is up (loopline/common/runtime.py, serve): the engine's
+    # long-lived heap out of the collector's way, so (a) and this process's client do not pause for it.
     gc.collect()
     gc.freeze()
 

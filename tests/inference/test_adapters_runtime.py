@@ -127,12 +127,13 @@ class Replica:
         self.worker = Worker(self.nats.nc, self.nats.js, self.engine, self.prompts,
                              deployment=self.deployment, replica=self.name, max_inflight=8,
                              ack_wait_s=30, max_deliver=3, adapters=self.manager)
-        self.task = asyncio.create_task(self.worker.run())
+        self.stopping = asyncio.Event()
+        self.task = asyncio.create_task(self.worker.run(self.stopping, drain_s=5))
 
     async def stop(self) -> None:
         if self.task is not None:
-            await self.worker.drain(timeout_s=5)
-            self.task.cancel()
+            self.stopping.set()
+            await self.task
         await self.manager.stop()
         await self.engine.stop()
 

@@ -37,10 +37,11 @@ async def replica(tmp_path_factory):
         prompts = PromptBuilder(AutoTokenizer.from_pretrained(path), engine.info.max_model_len)
         worker = Worker(nc, js, engine, prompts, deployment=DEPLOYMENT, replica="r1", max_inflight=8,
                         ack_wait_s=30, max_deliver=3)
-        task = asyncio.create_task(worker.run())
+        stopping = asyncio.Event()
+        task = asyncio.create_task(worker.run(stopping, drain_s=5))
         yield nc, js, worker
-        await worker.drain(timeout_s=5)
-        task.cancel()
+        stopping.set()
+        await task
         await engine.stop()
         await nc.close()
 

@@ -1,4 +1,5 @@
-"""``python -m loopline.inference``: run one inference replica."""
+"""``python -m loopline.inference`` (and ``loopline-inference``): one inference replica under the
+shared runtime."""
 
 import os
 
@@ -8,15 +9,13 @@ import os
 # Leave two cores to the rest of the platform unless the user chose.
 os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) - 2)))
 
-from loopline.common import process  # noqa: E402
+from loopline.common import runtime  # noqa: E402
 from loopline.common.settings import InferenceSettings  # noqa: E402
-from loopline.inference.service import main as serve  # noqa: E402
+from loopline.inference.service import run  # noqa: E402
 
 
 def main() -> None:
-    settings = InferenceSettings()
-    process.setup_logging("inference", settings.log_level)
-    process.run(serve(settings))
+    runtime.main("inference", InferenceSettings, run)
 
 
 if __name__ == "__main__":

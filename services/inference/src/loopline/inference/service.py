@@ -1,22 +1,23 @@
-"""One inference replica: load the engine, announce the deployment, run the worker until told to stop."""
+"""One inference replica: load the engine, announce the deployment, run the worker until told to stop.
+
+Loops, under the shared runtime (loopline.common.runtime):
+  worker  WORK (this deployment's consumer) -> engine -> RESULTS, then ack  (worker.py)
+A replica whose worker died serves nothing while it still looks alive: the runtime ends the process
+(exit 1) and its supervisor starts a new one; the requests it held are redelivered.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
-import os
 import re
-import signal
-import socket
 from pathlib import Path
-
-from nats.micro import add_service
+from typing import Any
 
 from loopline.common import bus, subjects
-from loopline.common.schemas import DeploymentInfo, ServiceStatus
+from loopline.common.runtime import Runtime
+from loopline.common.schemas import DeploymentInfo
 from loopline.common.settings import InferenceSettings
-from loopline.common.telemetry import setup_tracing
 from loopline.inference.adapters import AdapterManager
 from loopline.inference.engine import build_engine
 from loopline.inference.prompts import PromptBuilder
@@ -25,7 +26,9 @@ from loopline.inference.worker import Worker
 log = logging.getLogger(__name__)
 
 
-def resolve_model_path(settings: InferenceSettings) -> str:
+def prepare_model_folder(settings: InferenceSettings) -> str:
+    """The folder the replica loads its model from: ``settings.model`` when it is one, else the
+    named model prepared (downloaded, converted) under the models directory."""
     if Path(settings.model).is_dir():
         return settings.model
     from loopline.ml.models.resolve import resolve_model
@@ -33,14 +36,14 @@ def resolve_model_path(settings: InferenceSettings) -> str:
     return str(resolve_model(settings.model, settings.models_dir))
 
 
-async def main(settings: InferenceSettings) -> None:
-    setup_tracing("loopline-inference", settings.otlp_endpoint)
-    replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
-    model_path = await asyncio.to_thread(resolve_model_path, settings)
+async def run(rt: Runtime, settings: InferenceSettings) -> None:
+    # 1. Load the model and its tokenizer (a signal meanwhile cancels the loading: the runtime).
+    model_path = await asyncio.to_thread(prepare_model_folder, settings)
     engine = build_engine(settings.engine, model_path, max_model_len=settings.max_model_len,
-                         max_inflight=settings.max_inflight, dtype=settings.dtype,
-                         adapters=settings.adapters, max_adapters=settings.max_adapters,
-                         max_adapter_rank=settings.max_adapter_rank)
+                          max_inflight=settings.max_inflight, dtype=settings.dtype,
+                          adapters=settings.adapters, max_adapters=settings.max_adapters,
+                          max_adapter_rank=settings.max_adapter_rank)
+    rt.on_stop(engine.stop)
     log.info("loading %s from %s", settings.name, model_path)
     await engine.start()
     from transformers import AutoTokenizer
@@ -48,12 +51,11 @@ async def main(settings: InferenceSettings) -> None:
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_path)
     prompts = PromptBuilder(tokenizer, engine.info.max_model_len)
 
-    nc = await bus.connect(settings.nats_url, f"inference-{replica}")
-    js = nc.jetstream()
-    await bus.ensure_topology(js)
+    # 2. Connect. The consumer must exist before the deployment is announced: the gateway
+    # publishes work as soon as it sees the announcement, and WORK keeps only what some consumer
+    # is interested in.
+    nc, js = await rt.connect()
     deployment = subjects.deployment_key(settings.name)
-    # The consumer must exist before the deployment is announced: the gateway publishes work as
-    # soon as it sees the announcement, and WORK keeps only what some consumer is interested in.
     await bus.ensure_work_consumer(js, deployment, ack_wait_s=settings.ack_wait_s,
                                    max_deliver=settings.max_deliver)
     info = DeploymentInfo(model=settings.name, deployment=deployment,
@@ -61,49 +63,31 @@ async def main(settings: InferenceSettings) -> None:
     kv = await js.key_value(subjects.MODELS_BUCKET)
     await kv.put(deployment, info.model_dump_json().encode())
 
+    # 3. Catch up on the announced adapters before the worker pulls work: a request naming a job
+    # finds the catch-up under way.
     adapters = None
     if settings.adapters:
-        # Before the worker pulls work: a request naming a job finds the catch-up under way.
-        folder = settings.state_dir / "adapters" / re.sub(r"[^A-Za-z0-9_.-]", "-", replica)
-        adapters = AdapterManager(js, engine, base_model=settings.name, replica=replica,
+        folder = settings.state_dir / "adapters" / re.sub(r"[^A-Za-z0-9_.-]", "-", rt.replica)
+        adapters = AdapterManager(js, engine, base_model=settings.name, replica=rt.replica,
                                   root=folder.resolve(), max_jobs=settings.max_adapters)
+        rt.on_stop(adapters.stop)
         await adapters.start()
-    worker = Worker(nc, js, engine, prompts, deployment=deployment, replica=replica,
+    worker = Worker(nc, js, engine, prompts, deployment=deployment, replica=rt.replica,
                     max_inflight=settings.max_inflight, ack_wait_s=settings.ack_wait_s,
                     max_deliver=settings.max_deliver, adapters=adapters)
 
-    async def status(req) -> None:
-        reply = ServiceStatus(service="inference", replica=replica, detail={
-            "model": settings.name, "engine": engine.info.name, "in_flight": len(worker.inflight),
-            "served": worker.served, "max_model_len": engine.info.max_model_len,
-            "adapters": adapters.loaded() if adapters else {},
-        })
-        await req.respond(reply.model_dump_json().encode())
+    def status() -> dict[str, Any]:
+        return {"model": settings.name, "engine": engine.info.name, "in_flight": len(worker.inflight),
+                "served": worker.served, "max_model_len": engine.info.max_model_len,
+                "adapters": adapters.loaded() if adapters else {}}
 
-    svc = await add_service(nc, name=subjects.INFERENCE_SERVICE, version="0.1.0",
-                            metadata={"replica": replica, "model": settings.name,
-                                      "engine": engine.info.name, "deployment": deployment})
-    await svc.add_endpoint(name="status", subject=subjects.SVC_INFERENCE_STATUS, handler=status)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-
-    # torch, transformers and vLLM leave a large heap of objects that live as long as the process;
-    # without this every full collection walks them all, a pause of tens of milliseconds in the
-    # middle of someone's request (the latency pass of bench/serving.py showed them at p90).
-    gc.collect()
-    gc.freeze()
-    log.info("replica %s serving %s (%s engine, max_model_len %d)", replica, settings.name,
+    # 4. Answer svc.inference.status (the gateway's health check counts the replicas that do).
+    await rt.add_service(subjects.INFERENCE_SERVICE, subjects.SVC_INFERENCE_STATUS, status=status,
+                         description=f"Loopline inference replica serving {settings.name}",
+                         metadata={"model": settings.name, "engine": engine.info.name,
+                                   "deployment": deployment})
+    log.info("replica %s serving %s (%s engine, max_model_len %d)", rt.replica, settings.name,
              engine.info.name, engine.info.max_model_len)
-    run = asyncio.create_task(worker.run())
-    await stop.wait()
-    log.info("stopping: finishing in-flight requests")
-    await worker.drain(timeout_s=10)
-    run.cancel()
-    if adapters is not None:
-        await adapters.stop()
-    await svc.stop()
-    await nc.drain()
-    await engine.stop()
+
+    # 5. Serve until told to stop; the requests in flight then get to finish.
+    await rt.serve({"worker": worker.run(rt.stopping)})

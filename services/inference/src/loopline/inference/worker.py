@@ -2,12 +2,14 @@
 
 A message is acked only after its result is durable in RESULTS, so a replica killed at any point
 loses nothing: JetStream redelivers what it had not acked to another replica. Results carry the
-request id as ``Nats-Msg-Id``, so a request answered twice is stored once.
+request id as ``Nats-Msg-Id``, so a request answered twice is stored once. Told to stop, the loop
+pulls nothing more and gives the requests in flight ``drain_s`` to finish before it returns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -25,6 +27,10 @@ from loopline.inference.prompts import PromptBuilder, PromptError
 
 log = logging.getLogger(__name__)
 _tracer = tracer("loopline.inference")
+# After the stop, requests in flight get this long to finish: the generations of a burst on a
+# small CPU replica take seconds. Less than the runtime's grace (runtime.GRACE_S, 10 s), so the
+# loop returns by itself rather than being cancelled; what is unfinished then is redelivered.
+DRAIN_S = 9.0
 
 
 class Worker:
@@ -39,24 +45,38 @@ class Worker:
         self.max_deliver = max_deliver
         self.inflight: dict[str, Msg] = {}
         self.capacity_freed = asyncio.Event()
-        self.stopping = asyncio.Event()
         self.served = 0
 
-    async def run(self) -> None:
+    async def run(self, stopping: asyncio.Event, *, drain_s: float = DRAIN_S) -> None:
+        """Serve until ``stopping`` is set, then give the requests in flight ``drain_s`` (counted
+        from the stop) to finish, and return."""
         psub = await self.js.pull_subscribe_bind(
             subjects.inference_durable(self.deployment), stream=subjects.WORK_STREAM
         )
         keepalive = asyncio.create_task(self._keep_inflight_alive())
-        # Invariant: len(self.inflight) <= self.max_inflight, and every message we hold is either in
-        # self.inflight (being generated) or already acked.
-        while not self.stopping.is_set():
-            free = self.max_inflight - len(self.inflight)
-            if free <= 0:
-                self.capacity_freed.clear()
-                await self.capacity_freed.wait()
-                continue
-            await self._pull(psub, free)
-        keepalive.cancel()
+        stopped_at = asyncio.get_running_loop().create_future()
+        waking = asyncio.create_task(self._wake_on(stopping, stopped_at))
+        try:
+            # Invariant: len(self.inflight) <= self.max_inflight, and every message we hold is
+            # either in self.inflight (being generated) or already acked. Nothing is pulled once
+            # ``stopping`` is set (a pull in progress still starts what it brings, at most 2 s).
+            while not stopping.is_set():
+                free = self.max_inflight - len(self.inflight)
+                if free <= 0:
+                    self.capacity_freed.clear()
+                    await self.capacity_freed.wait()
+                    continue
+                await self._pull(psub, free)
+            await self._drain(deadline=await stopped_at + drain_s)
+        finally:
+            waking.cancel()
+            keepalive.cancel()
+
+    async def _wake_on(self, stopping: asyncio.Event, stopped_at: asyncio.Future) -> None:
+        """When ``stopping`` is set: note when, and wake the loop if it waits for capacity."""
+        await stopping.wait()
+        stopped_at.set_result(time.monotonic())
+        self.capacity_freed.set()
 
     async def _pull(self, psub, free: int) -> None:
         """Wait for one message and start it at once, then start whatever else is already
@@ -189,10 +209,15 @@ class Worker:
                 except Exception:  # noqa: BLE001 - NATS down: redelivery will sort it out
                     pass
 
-    async def drain(self, timeout_s: float) -> None:
-        """Stop pulling and give in-flight requests ``timeout_s`` to finish."""
-        self.stopping.set()
-        self.capacity_freed.set()
-        deadline = time.monotonic() + timeout_s
+    async def _drain(self, deadline: float) -> None:
+        """Wait for the requests in flight to finish, until ``deadline`` (time.monotonic())."""
+        if self.inflight:
+            log.info("stopping: finishing %d requests in flight", len(self.inflight))
+        # Invariant: every request still in self.inflight is generating or publishing its result.
         while self.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+            self.capacity_freed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.capacity_freed.wait(), deadline - time.monotonic())
+        if self.inflight:
+            log.warning("%d requests still in flight after the drain: JetStream redelivers them",
+                        len(self.inflight))
