@@ -1,7 +1,9 @@
 """One typed settings object per service, all read from ``LOOPLINE_*`` environment variables.
 
 The shared fields live in ``CommonSettings``; each service's object adds its own. Field names map to
-variables by upper-casing them: ``nats_url`` is ``LOOPLINE_NATS_URL``.
+variables by upper-casing them: ``nats_url`` is ``LOOPLINE_NATS_URL``. Every field's
+``description`` is what the README's configuration table says about it
+(``python -m loopline.common.settings_doc`` prints that table; a test keeps the two equal).
 """
 
 from __future__ import annotations
@@ -13,21 +15,41 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+
+def unset_means(text: str) -> dict[str, str]:
+    """For a field whose ``None`` stands for a value derived at run time: that value, as the
+    configuration table shows it (``json_schema_extra`` of its Field)."""
+    return {"unset_means": text}
+
+
+DATABASE_DESCRIPTION = ("The SQL database of the request ledger (queue) and the job registry "
+                        "(trainer), migrated at start; any SQLAlchemy URL, `postgresql://…` included.")
+JOBS_DIR_DESCRIPTION = ("One directory per training job (config, dataset, code, logs, checkpoints): "
+                        "the trainer writes it, Slurm jobs run in it, the checkpoint-watcher reads it.")
+
 
 class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LOOPLINE_", extra="ignore")
 
-    nats_url: str = "nats://127.0.0.1:4222"
-    # Where local state lives (NATS data, SQLite ledger, prepared models, logs).
-    state_dir: Path = Path(".loopline")
-    # Send traces to an OTLP collector when set; otherwise spans stay in-process.
-    otlp_endpoint: str | None = None
-    log_level: str = "INFO"
-    # Names this process among replicas of its service; defaults to host-pid.
-    replica_id: str | None = None
-
-    # Prepared models (converted SmolLM2, the tiny test model); shared by stacks when set.
-    models_path: Path | None = Field(default=None, validation_alias="LOOPLINE_MODELS_DIR")
+    nats_url: str = Field(default="nats://127.0.0.1:4222", description="The NATS server (JetStream on).")
+    state_dir: Path = Field(default=Path(".loopline"), description=(
+        "Where local state lives: the SQLite database, prepared models and job directories unless "
+        "set elsewhere; staged uploads (gateway), unpacked adapters (inference); NATS data and logs "
+        "under `make up`."))
+    otlp_endpoint: str | None = Field(default=None, description=(
+        "Send traces to this OTLP/HTTP collector; unset, trace ids still travel in NATS headers "
+        "but no spans are recorded."))
+    log_level: str = Field(default="INFO", description="Python logging level.")
+    replica_id: str | None = Field(default=None, json_schema_extra=unset_means("`<host>-<pid>`"),
+                                   description="Names this process among the replicas of its service.")
+    models_path: Path | None = Field(
+        default=None, validation_alias="LOOPLINE_MODELS_DIR",
+        json_schema_extra=unset_means("`$LOOPLINE_STATE_DIR/models`"),
+        description=("Prepared models (converted SmolLM2, the tiny test model) and where a Hugging "
+                     "Face id is resolved; shared by stacks when set."))
 
     @property
     def models_dir(self) -> Path:
@@ -35,35 +57,44 @@ class CommonSettings(BaseSettings):
 
 
 class GatewaySettings(CommonSettings):
-    host: str = "127.0.0.1"
-    port: int = 8000
-    # How long an idle HTTP connection stays open for its client's next request. Above the 60 s
-    # idle timeout of common load balancers, so the gateway never closes a connection one of them
-    # is about to reuse (a 502 for its client); uvicorn's own default is 5 s.
-    keep_alive_s: int = Field(default=75, ge=1)
-    # ScalarLM's long-poll window: prompts not done by then are answered with null.
-    response_timeout_s: float = 60.0
-    # Bodies larger than this are refused with 413 before they are read.
-    max_body_bytes: int = 16 * 1024 * 1024
-    max_upload_bytes: int = 1024 * 1024 * 1024
-    # ScalarLM's client uploads batches above 128 prompts; /v1/generate refuses more than this.
-    max_prompts_per_request: int = 1024
-    default_max_tokens: int = 16
-    # What a 429 tells the client to wait before retrying.
-    retry_after_s: int = 2
-    # The model that serves requests which name none (and that training jobs adapt by default).
-    model: str = DEFAULT_MODEL
-    # Training uploads: the archive may inflate to this many bytes and entries, no more (tar bombs).
-    max_dataset_bytes: int = 4 * 1024 * 1024 * 1024
-    max_archive_members: int = 10_000
-    # ScalarLM's chunked upload: its client sends 50 MiB chunks; unfinished uploads expire after the TTL.
-    max_chunk_bytes: int = 100 * 1024 * 1024
-    upload_ttl_s: float = 6 * 3600
-    # How long a trainer request may take; a submit reads the dataset back and calls sbatch.
-    trainer_timeout_s: float = 30.0
-    # Comma-separated; when set, /v1 routes want "Authorization: Bearer <key>" (401 otherwise).
-    # Empty: no keys, as ScalarLM (whose client sends none).
-    api_keys: str = ""
+    model: str = Field(default=DEFAULT_MODEL, description=(
+        "the served model a request that names none goes to, and a training job's `llm_name` when "
+        "its params name none"))
+    host: str = Field(default="127.0.0.1", description="Where the gateway listens.")
+    port: int = Field(default=8000, description="The gateway's HTTP port.")
+    # Above the 60 s idle timeout of common load balancers, so the gateway never closes a connection
+    # one of them is about to reuse (a 502 for its client); uvicorn's own default is 5 s.
+    keep_alive_s: int = Field(default=75, ge=1, description=(
+        "How long an idle HTTP connection stays open for its client's next request."))
+    response_timeout_s: float = Field(default=60.0, description=(
+        "ScalarLM's long-poll window: prompts not done by then are answered with `null`."))
+    max_body_bytes: int = Field(default=16 * MiB, description=(
+        "Larger request bodies are refused with 413 before they are read."))
+    max_upload_bytes: int = Field(default=1 * GiB, description=(
+        "The same for uploads (`/v1/generate/upload`, `/v1/megatron/train`, an upload chunk, a "
+        "chunked upload's declared total)."))
+    # ScalarLM's client uploads batches above 128 prompts, so 1024 leaves room without a cap that
+    # lets one request fill the queue.
+    max_prompts_per_request: int = Field(default=1024, description=(
+        "More prompts in one `/v1/generate` get 413 (use `/v1/generate/upload`)."))
+    default_max_tokens: int = Field(default=16, description="`max_tokens` of a request that names none.")
+    retry_after_s: int = Field(default=2, description="The `Retry-After` of a 429.")
+    max_dataset_bytes: int = Field(default=4 * GiB, description=(
+        "A training archive may inflate to this many bytes, no more (tar bombs)."))
+    max_archive_members: int = Field(default=10_000, description=(
+        "A training archive may hold this many entries, no more."))
+    # ScalarLM's client sends 50 MiB chunks; twice that leaves room for other clients.
+    max_chunk_bytes: int = Field(default=100 * MiB, description=(
+        "The largest chunk of ScalarLM's chunked training upload."))
+    upload_ttl_s: float = Field(default=6 * 3600, description=(
+        "An unfinished chunked upload is deleted after this long."))
+    # A submit reads the dataset back from the object store and calls sbatch: seconds, not less.
+    trainer_timeout_s: float = Field(default=30.0, description=(
+        "How long a request to the trainer may take before the gateway answers 504."))
+    # Empty means no keys, as ScalarLM (whose client sends none).
+    api_keys: str = Field(default="", description=(
+        "Comma-separated API keys; when set, every `/v1` route but `/v1/health/keepalive` wants "
+        "`Authorization: Bearer <key>` (401 otherwise)."))
 
     @property
     def api_key_set(self) -> frozenset[str]:
@@ -71,43 +102,53 @@ class GatewaySettings(CommonSettings):
 
 
 class QueueSettings(CommonSettings):
-    database_url: str | None = None
-    # Admission control: pending + in-flight prompts per deployment above this answer 429.
-    max_queue_depth: int = 4096
-    state_interval_s: float = 0.2
-    # How many ledger rows are written in one transaction at most, and how long the ledger waits
-    # for more once it has caught up (it is a record, not on any request's path).
-    ledger_batch: int = 256
-    ledger_linger_s: float = Field(default=0.5, ge=0)
-    # The ledger is off the hot path by design; where it shares cores with the gateway, NATS and
-    # inference (make up, a small node) the lowest CPU priority lets it run only on what they
-    # leave: measured on 2 cores, at nice 5 it still took a quarter of the shared core in a burst.
-    nice: int = Field(default=19, ge=0, le=19)
+    database_url: str | None = Field(default=None, description=DATABASE_DESCRIPTION,
+                                     json_schema_extra=unset_means("SQLite `$LOOPLINE_STATE_DIR/loopline.db`"))
+    max_queue_depth: int = Field(default=4096, description=(
+        "Admission control: waiting + running prompts per model above this answer 429."))
+    state_interval_s: float = Field(default=0.2, description=(
+        "How often the queue depth is published to the gateways (`queue.state`)."))
+    ledger_batch: int = Field(default=256, description="The most ledger rows written in one transaction.")
+    ledger_linger_s: float = Field(default=0.5, ge=0, description=(
+        "How long the caught-up ledger waits for more rows to write a bigger batch (it is a record, "
+        "off every request's path)."))
+    # Where the ledger shares cores with the gateway, NATS and inference (make up, a small node) the
+    # lowest priority lets it run only on what they leave: measured on 2 cores, at nice 5 it still
+    # took a quarter of the shared core in a burst.
+    nice: int = Field(default=19, ge=0, le=19, description="The queue process's CPU priority (`nice`).")
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.state_dir / 'loopline.db').resolve()}"
 
 
 class InferenceSettings(CommonSettings):
-    model: str = DEFAULT_MODEL
-    # The name clients use; defaults to ``model``.
-    served_model_name: str | None = None
-    engine: str = Field(default="auto", pattern="^(auto|vllm|reference)$")
-    max_model_len: int | None = None
-    # Requests in the engine at once; the replica pulls only as many as it has room for.
-    max_inflight: int = 64
-    dtype: str = "auto"
-    # JetStream redelivers a request whose replica has not acked it within this window.
-    ack_wait_s: float = 30.0
-    max_deliver: int = 5
-    # Run-time adapters (checkpoints announced on CHECKPOINTS): off serves the base model only.
-    adapters: bool = True
-    # LRU bound: jobs whose adapter stays loaded at once (a version still finishing requests after
-    # its job moved on is extra, briefly). An evicted job reloads at its next request.
-    max_adapters: int = Field(default=8, ge=1)
-    # The largest adapter rank vLLM serves (LoRA's r, a Tokenformer's num_tokens); it sizes the
-    # buffers vLLM sets aside per adapter slot.
-    max_adapter_rank: int = Field(default=64, ge=1)
+    model: str = Field(default=DEFAULT_MODEL, description=(
+        "the model this replica serves: a Hugging Face id or a local folder"))
+    served_model_name: str | None = Field(default=None, json_schema_extra=unset_means("`$LOOPLINE_MODEL`"),
+                                          description="The name clients use for the served model.")
+    engine: str = Field(default="auto", pattern="^(auto|vllm|reference)$", description=(
+        "`vllm`, `reference` (transformers) or `auto` (vLLM where it imports)."))
+    max_model_len: int | None = Field(default=None, json_schema_extra=unset_means("the model's"),
+                                      description="The context length.")
+    max_inflight: int = Field(default=64, description=(
+        "Requests in the engine at once; the replica pulls only as many as it has room for."))
+    dtype: str = Field(default="auto", description=(
+        "The engine's dtype (`auto`: the engine's choice for the model; float32 for vLLM on CPU)."))
+    ack_wait_s: float = Field(default=30.0, description=(
+        "JetStream redelivers a request whose replica has not acked it within this window."))
+    max_deliver: int = Field(default=5, description=(
+        "Deliveries of a request before it fails with an error in its result instead of being "
+        "tried again."))
+    adapters: bool = Field(default=True, description=(
+        "Serve the checkpoints announced on `CHECKPOINTS` as run-time adapters; off serves the base "
+        "model only (and runs vLLM without LoRA support)."))
+    # A version still finishing requests after its job moved on is extra, briefly.
+    max_adapters: int = Field(default=8, ge=1, description=(
+        "Jobs whose adapter stays loaded at once (LRU; an evicted job reloads at its next request); "
+        "also vLLM's adapters per batch."))
+    # It sizes the buffers vLLM sets aside per adapter slot.
+    max_adapter_rank: int = Field(default=64, ge=1, description=(
+        "The largest adapter rank served (LoRA's `r`, a Tokenformer's `num_tokens`)."))
 
     @property
     def name(self) -> str:
@@ -115,30 +156,34 @@ class InferenceSettings(CommonSettings):
 
 
 class TrainerSettings(CommonSettings):
-    database_url: str | None = None
-    # One directory per job (config, dataset, code, logs, checkpoints); must be visible to the
-    # Slurm compute nodes under the same path.
-    jobs_path: Path | None = Field(default=None, validation_alias="LOOPLINE_JOBS_DIR")
-    # auto: Slurm when `sbatch` is on PATH and its controller answers (`scontrol ping`), else a
-    # local process per job (same interface).
-    launcher: str = Field(default="auto", pattern="^(auto|slurm|local)$")
+    database_url: str | None = Field(default=None, description=DATABASE_DESCRIPTION,
+                                     json_schema_extra=unset_means("SQLite `$LOOPLINE_STATE_DIR/loopline.db`"))
+    # Must be visible to the Slurm compute nodes under the same path.
+    jobs_path: Path | None = Field(default=None, validation_alias="LOOPLINE_JOBS_DIR",
+                                   json_schema_extra=unset_means("`$LOOPLINE_STATE_DIR/jobs`"),
+                                   description=JOBS_DIR_DESCRIPTION)
+    launcher: str = Field(default="auto", pattern="^(auto|slurm|local)$", description=(
+        "`slurm`, `local` (a process per job, same interface) or `auto`: Slurm when `sbatch` is on "
+        "PATH and its controller answers (`scontrol ping`)."))
     # A job's own ml/ code runs with the trainer's privileges on the cluster: off unless trusted.
-    allow_user_code: bool = False
-    max_code_bytes: int = 64 * 1024 * 1024
-    # How often unfinished jobs are compared with the launcher and their events published.
-    reconcile_interval_s: float = 2.0
-    # A job that ends this many times in a row without progress (no new step) is failed.
-    max_resubmits: int = 5
-    # The longest one Slurm allocation may run; longer jobs are resumed in further allocations.
-    max_train_time_s: int = 24 * 3600
-    slurm_partition: str | None = None
-    # Extra sbatch arguments, split like a shell would (e.g. "--account=ml --qos=low").
-    slurm_extra_args: str = ""
-    # Replaces `python -m loopline.ml.train` (and `.parallel`) in the entrypoint; `--job-dir DIR`
-    # is appended. For stand-in programs in tests and for sites with their own wrapper.
-    train_command: str | None = None
-    # The served model: what a job trains when its params name no llm_name.
-    model: str = DEFAULT_MODEL
+    allow_user_code: bool = Field(default=False, description=(
+        "Run a job's own `ml/` code (arbitrary code); off, such a job is refused with 403."))
+    max_code_bytes: int = Field(default=64 * MiB, description="The most bytes a job's `ml/` code may unpack to.")
+    reconcile_interval_s: float = Field(default=2.0, description=(
+        "How often unfinished jobs are compared with the launcher and their events published."))
+    max_resubmits: int = Field(default=5, description=(
+        "A job that ends this many times in a row without progress (no new step) is failed."))
+    max_train_time_s: int = Field(default=24 * 3600, description=(
+        "The longest one Slurm allocation may run; longer jobs resume in further allocations."))
+    slurm_partition: str | None = Field(default=None, description="The Slurm partition jobs go to.")
+    slurm_extra_args: str = Field(default="", description=(
+        "Extra `sbatch` arguments, split like a shell would (e.g. `--account=ml --qos=low`)."))
+    # For stand-in programs in tests and for sites with their own wrapper.
+    train_command: str | None = Field(default=None, description=(
+        "Replaces `python -m loopline.ml.train` (and `.parallel`) in a job's entrypoint; "
+        "`--job-dir DIR` is appended."))
+    model: str = Field(default=DEFAULT_MODEL, description=(
+        "the model a job adapts when its params name no `llm_name`"))
 
     @property
     def jobs_dir(self) -> Path:
@@ -149,17 +194,20 @@ class TrainerSettings(CommonSettings):
 
 
 class CheckpointWatcherSettings(CommonSettings):
-    # The trainer's job directories (same variable and default as TrainerSettings.jobs_dir).
-    jobs_path: Path | None = Field(default=None, validation_alias="LOOPLINE_JOBS_DIR")
-    # New checkpoints are noticed through inotify within ~10 ms. Every job is also compared with
-    # the cursor this often: the safety net for events inotify cannot see (a volume written by
-    # another node over NFS, a full inotify queue). Where inotify never fires, this is the latency.
-    rescan_interval_s: float = Field(default=2.0, gt=0)
-    # Off: no inotify at all, only the rescan (set a short interval then, e.g. 0.1).
-    inotify: bool = True
-    # A checkpoint whose adapter file is larger than this is rejected (full-weight checkpoints of
-    # a large model do not belong in the message bus).
-    max_adapter_bytes: int = Field(default=2 * 1024**3, gt=0)
+    # Same variable and default as TrainerSettings.jobs_dir: it reads what the trainer wrote.
+    jobs_path: Path | None = Field(default=None, validation_alias="LOOPLINE_JOBS_DIR",
+                                   json_schema_extra=unset_means("`$LOOPLINE_STATE_DIR/jobs`"),
+                                   description=JOBS_DIR_DESCRIPTION)
+    # New checkpoints are noticed through inotify within ~10 ms; the rescan is the safety net for
+    # events inotify cannot see (a volume written by another node over NFS, a full inotify queue).
+    rescan_interval_s: float = Field(default=2.0, gt=0, description=(
+        "How often every job is compared with the checkpoint cursor; where inotify never fires "
+        "(NFS), this is the latency."))
+    inotify: bool = Field(default=True, description=(
+        "Notice new checkpoints through inotify; off, only the rescan does (shorten it then, e.g. 0.1)."))
+    # Full-weight checkpoints of a large model do not belong in the message bus.
+    max_adapter_bytes: int = Field(default=2 * GiB, gt=0, description=(
+        "A checkpoint whose adapter file is larger is rejected."))
 
     @property
     def jobs_dir(self) -> Path:
@@ -169,9 +217,9 @@ class CheckpointWatcherSettings(CommonSettings):
 class StackSettings(CommonSettings):
     """The embedded default started by ``make up``."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    nats_port: int = 4222
-    nats_monitor_port: int = 8222
-    model: str = DEFAULT_MODEL
-    inference_replicas: int = 1
+    host: str = Field(default="127.0.0.1", description="Where the gateway listens.")
+    port: int = Field(default=8000, description="The gateway's HTTP port.")
+    nats_port: int = Field(default=4222, description="The embedded nats-server's client port.")
+    nats_monitor_port: int = Field(default=8222, description="The embedded nats-server's monitoring port.")
+    model: str = Field(default=DEFAULT_MODEL, description="the model `make up` prepares and serves")
+    inference_replicas: int = Field(default=1, description="Inference processes to start.")
