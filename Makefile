@@ -28,3 +28,9 @@ tiny-model: install
 
 clean:
 	rm -rf .loopline
+
+# The README's configuration table, from the settings classes' field descriptions
+# (tests/common/test_readme.py fails when it is out of date).
+.PHONY: docs
+docs:
+	@$(PY) -m loopline.common.settings_doc --write
