@@ -165,6 +165,12 @@ def _markdown_files(folder: Path) -> list[Path]:
     return found
 
 
+# A path that starts at one of the repository's top folders, e.g. services/gateway/src/….
+REPO_PATH = re.compile(r"(?<![\w./-])((?:services|libs|ml|cli|deploy|docs|bench|tests|scripts)/[\w./-]*[\w/])")
+# Written by the benchmarks, git-ignored.
+GENERATED = ("bench/results/",)
+
+
 def _in_repository(path: Path) -> bool:
     return path.resolve().is_relative_to(ROOT) and path.exists()
 
@@ -180,3 +186,6 @@ def test_docs_name_only_files_in_the_repository():
             found = _in_repository(ROOT / name) or _in_repository(doc.parent / name) or (
                 not name.startswith("../") and any(path.endswith(name) for path in tracked))
             assert found, f"{where} names {name}, which is not in the repository"
+        for path in set(re.findall(REPO_PATH, text)):
+            assert path.startswith(GENERATED) or (ROOT / path).exists(), \
+                f"{where} names {path}, which is not in the repository"
