@@ -16,7 +16,8 @@ from pydantic_settings import BaseSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md"]
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md",
+        ROOT / "deploy" / "README.md"]
 SUBJECTS_START = "<!-- subjects-table:start"
 SUBJECTS_END = "<!-- subjects-table:end -->"
 # nats.micro's own discovery subjects: every service answers them, subjects.py does not spell them.
@@ -44,7 +45,8 @@ def test_configuration_table_is_generated_from_the_settings():
 
 def test_every_settings_class_is_in_the_table_and_every_field_described():
     classes = {obj for obj in vars(settings).values()
-               if inspect.isclass(obj) and issubclass(obj, BaseSettings) and obj.__module__ == settings.__name__}
+               if inspect.isclass(obj) and issubclass(obj, BaseSettings)
+               and obj.__module__ == settings.__name__}
     # CommonSettings is no service: its fields reach the table through every class that inherits them.
     assert classes - {settings.CommonSettings} == set(settings_doc.SERVICES.values()), \
         "a settings class is missing from loopline.common.settings_doc.SERVICES"
@@ -91,7 +93,7 @@ def _defined_subjects(monkeypatch) -> set[str]:
     found = {value for name, value in vars(subjects).items()
              if name.isupper() and isinstance(value, str)
              and not name.endswith(("_STREAM", "_BUCKET", "_DURABLE", "_SERVICE"))}
-    for name, function in vars(subjects).items():
+    for function in vars(subjects).values():
         if inspect.isfunction(function) and function.__module__ == subjects.__name__:
             required = [p.name for p in inspect.signature(function).parameters.values()
                         if p.default is inspect.Parameter.empty]
@@ -100,7 +102,8 @@ def _defined_subjects(monkeypatch) -> set[str]:
 
 
 def _nats_match(pattern: str, subject: str) -> bool:
-    """Whether NATS delivers ``subject`` to a subscription on ``pattern`` (``*`` one token, ``>`` the rest)."""
+    """Whether NATS delivers ``subject`` to a subscription on ``pattern`` (``*``: one token, ``>``:
+    the rest)."""
     want, have = pattern.split("."), subject.split(".")
     for i, token in enumerate(want):
         if token == ">":
@@ -115,7 +118,8 @@ def test_subjects_table_names_every_stream_bucket_and_object_store():
     in_table = {name.strip("`") for name in stores}
     streams = set(_constants("_STREAM").values())
     buckets = set(_constants("_BUCKET").values())
-    assert streams | buckets <= in_table, f"README's subjects table lacks {sorted((streams | buckets) - in_table)}"
+    missing = (streams | buckets) - in_table
+    assert not missing, f"README's subjects table lacks {sorted(missing)}"
     assert in_table <= streams | buckets, f"README names {sorted(in_table - streams - buckets)}, " \
                                           "which subjects.py does not define"
     for row in _subjects_rows():
@@ -166,7 +170,8 @@ def _markdown_files(folder: Path) -> list[Path]:
 
 
 # A path that starts at one of the repository's top folders, e.g. services/gateway/src/….
-REPO_PATH = re.compile(r"(?<![\w./-])((?:services|libs|ml|cli|deploy|docs|bench|tests|scripts)/[\w./-]*[\w/])")
+TOP_FOLDERS = "services|libs|ml|cli|deploy|docs|bench|tests|scripts"
+REPO_PATH = re.compile(rf"(?<![\w./-])((?:{TOP_FOLDERS})/[\w./-]*[\w/])")
 # Written by the benchmarks, git-ignored.
 GENERATED = ("bench/results/",)
 

@@ -27,6 +27,7 @@ def unset_means(text: str) -> dict[str, str]:
 
 DATABASE_DESCRIPTION = ("The SQL database of the request ledger (queue) and the job registry "
                         "(trainer), migrated at start; any SQLAlchemy URL, `postgresql://…` included.")
+DEFAULT_DATABASE = "SQLite `$LOOPLINE_STATE_DIR/loopline.db`"
 JOBS_DIR_DESCRIPTION = ("One directory per training job (config, dataset, code, logs, checkpoints): "
                         "the trainer writes it, Slurm jobs run in it, the checkpoint-watcher reads it.")
 
@@ -73,8 +74,7 @@ class GatewaySettings(CommonSettings):
     max_upload_bytes: int = Field(default=1 * GiB, description=(
         "The same for uploads (`/v1/generate/upload`, `/v1/megatron/train`, an upload chunk, a "
         "chunked upload's declared total)."))
-    # ScalarLM's client uploads batches above 128 prompts, so 1024 leaves room without a cap that
-    # lets one request fill the queue.
+    # ScalarLM's client itself switches to /v1/generate/upload above 128 prompts.
     max_prompts_per_request: int = Field(default=1024, description=(
         "More prompts in one `/v1/generate` get 413 (use `/v1/generate/upload`)."))
     default_max_tokens: int = Field(default=16, description="`max_tokens` of a request that names none.")
@@ -83,12 +83,12 @@ class GatewaySettings(CommonSettings):
         "A training archive may inflate to this many bytes, no more (tar bombs)."))
     max_archive_members: int = Field(default=10_000, description=(
         "A training archive may hold this many entries, no more."))
-    # ScalarLM's client sends 50 MiB chunks; twice that leaves room for other clients.
+    # ScalarLM's client sends 50 MiB chunks.
     max_chunk_bytes: int = Field(default=100 * MiB, description=(
         "The largest chunk of ScalarLM's chunked training upload."))
     upload_ttl_s: float = Field(default=6 * 3600, description=(
         "An unfinished chunked upload is deleted after this long."))
-    # A submit reads the dataset back from the object store and calls sbatch: seconds, not less.
+    # Long enough for a submit, which reads the dataset back and calls sbatch.
     trainer_timeout_s: float = Field(default=30.0, description=(
         "How long a request to the trainer may take before the gateway answers 504."))
     # Empty means no keys, as ScalarLM (whose client sends none).
@@ -103,7 +103,7 @@ class GatewaySettings(CommonSettings):
 
 class QueueSettings(CommonSettings):
     database_url: str | None = Field(default=None, description=DATABASE_DESCRIPTION,
-                                     json_schema_extra=unset_means("SQLite `$LOOPLINE_STATE_DIR/loopline.db`"))
+                                     json_schema_extra=unset_means(DEFAULT_DATABASE))
     max_queue_depth: int = Field(default=4096, description=(
         "Admission control: waiting + running prompts per model above this answer 429."))
     state_interval_s: float = Field(default=0.2, description=(
@@ -157,7 +157,7 @@ class InferenceSettings(CommonSettings):
 
 class TrainerSettings(CommonSettings):
     database_url: str | None = Field(default=None, description=DATABASE_DESCRIPTION,
-                                     json_schema_extra=unset_means("SQLite `$LOOPLINE_STATE_DIR/loopline.db`"))
+                                     json_schema_extra=unset_means(DEFAULT_DATABASE))
     # Must be visible to the Slurm compute nodes under the same path.
     jobs_path: Path | None = Field(default=None, validation_alias="LOOPLINE_JOBS_DIR",
                                    json_schema_extra=unset_means("`$LOOPLINE_STATE_DIR/jobs`"),
@@ -168,7 +168,8 @@ class TrainerSettings(CommonSettings):
     # A job's own ml/ code runs with the trainer's privileges on the cluster: off unless trusted.
     allow_user_code: bool = Field(default=False, description=(
         "Run a job's own `ml/` code (arbitrary code); off, such a job is refused with 403."))
-    max_code_bytes: int = Field(default=64 * MiB, description="The most bytes a job's `ml/` code may unpack to.")
+    max_code_bytes: int = Field(default=64 * MiB, description=(
+        "The most bytes a job's `ml/` code may unpack to."))
     reconcile_interval_s: float = Field(default=2.0, description=(
         "How often unfinished jobs are compared with the launcher and their events published."))
     max_resubmits: int = Field(default=5, description=(

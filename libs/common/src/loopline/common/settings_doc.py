@@ -13,19 +13,18 @@ import argparse
 import sys
 from pathlib import Path
 
-from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings
-
 from loopline.common.settings import (
-    GiB,
-    MiB,
     CheckpointWatcherSettings,
     GatewaySettings,
+    GiB,
     InferenceSettings,
+    MiB,
     QueueSettings,
     StackSettings,
     TrainerSettings,
 )
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings
 
 # Who reads each class; "up" is `make up` (python -m loopline.common.up). The table's rows follow
 # this order, each variable where a class first names it.
