@@ -51,6 +51,12 @@ VERSION = "0.1.0"
 # inference replica finishes its in-flight requests) before it is cancelled. Kubernetes' default
 # grace period is 30 s: the whole stop, drain included, fits well inside it.
 GRACE_S = 10.0
+# The longest the final NATS drain may wait for subscriptions' queued messages to be handled (it
+# flushes pending publishes and acks, and closes, either way). A callback subscription handles its
+# queue in milliseconds; a pull subscription whose loop has ended, or died, never reads what is
+# still queued for it (a late message, its pull's expiry notice), and nats-py's own default, 30 s,
+# held a stopping queue service and replica that long: Kubernetes' whole grace period.
+DRAIN_TIMEOUT_S = 3
 # A loop that dies is a bug or a lost dependency: the process exits with this status.
 EXIT_LOOP_DIED = 1
 EXIT_START_FAILED = 1
@@ -87,6 +93,7 @@ class Runtime:
         """Connect to NATS (reconnecting forever) and make sure every stream and bucket exists.
         The connection drains last, after every other cleanup: pending publishes and acks go out."""
         self.nc = await bus.connect(self.settings.nats_url, f"{self.role}-{self.replica}")
+        self.nc.options["drain_timeout"] = DRAIN_TIMEOUT_S  # read by nc.drain(), at the very end
         self._cleanups.push_async_callback(self._drain_nats)
         self.js = self.nc.jetstream()
         if topology:
@@ -254,14 +261,15 @@ def run_event_loop(main: Awaitable[int]) -> int:
     return uvloop.run(wrapped())
 
 
-def main(role: str, settings_type: type[S], run: Callable[[Runtime, S], Awaitable[None]]) -> NoReturn:
+def main(role: str, settings_type: type[S], run: Callable[[Runtime, S], Awaitable[None]], *,
+         grace_s: float = GRACE_S) -> NoReturn:
     """A service's ``python -m`` entry point: settings from ``LOOPLINE_*``, logging, then ``run``
     under the runtime; the process exits with the runtime's exit status."""
     settings = settings_type()
     setup_logging(role, settings.log_level)
 
     async def body() -> int:
-        rt = Runtime(role, settings)
+        rt = Runtime(role, settings, grace_s=grace_s)
         return await rt.run(lambda rt: run(rt, settings))
 
     sys.exit(run_event_loop(body()))
