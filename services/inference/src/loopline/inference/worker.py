@@ -71,6 +71,9 @@ class Worker:
         finally:
             waking.cancel()
             keepalive.cancel()
+            # What is still queued for this subscription would otherwise hold up the final drain.
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
 
     async def _wake_on(self, stopping: asyncio.Event, stopped_at: asyncio.Future) -> None:
         """When ``stopping`` is set: note when, and wake the loop if it waits for capacity."""
