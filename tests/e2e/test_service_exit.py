@@ -1,0 +1,148 @@
+"""How each service process ends, started as the stack starts it, against a real nats-server.
+
+A loop that dies ends the process: each service's main loop is made to raise from inside
+(support/kill_loop.py runs the service's real ``main()``), and the process must exit by itself,
+non-zero, with the traceback in its log, so that its supervisor restarts it. A SIGTERM still ends
+it cleanly with 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats.errors
+import pytest
+
+from loopline.common import bus, launcher, runtime, subjects
+from loopline.common.schemas import ServiceStatus
+from support.kill_loop import KILLED
+from support.stacks import MODELS_DIR, tiny_model
+
+TESTS = Path(__file__).resolve().parents[1]
+# The loop dies this long after the service starts serving: long enough for the test to see it
+# answer its status first (the status endpoint is up before the loops start).
+AFTER_S = 3.0
+# From the moment it answered: AFTER_S, the other loops finishing their step, the cleanups. The
+# runtime gives loops 10 s at most; a service that needs more than this is hanging, not stopping.
+EXIT_WITHIN_S = AFTER_S + runtime.GRACE_S + 15
+READY_WITHIN_S = 180  # the inference replica loads the tiny model first
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str  # as launcher.SERVICE_MODULES names it
+    main_loop: str
+    status_subject: str
+
+    @property
+    def package(self) -> str:
+        return launcher.SERVICE_MODULES[self.name]
+
+
+SERVICES = [
+    Service("queue", "ledger-work", subjects.SVC_QUEUE_STATUS),
+    Service("trainer", "reconcile", subjects.SVC_TRAINER_STATUS),
+    Service("checkpoint-watcher", "scan", subjects.SVC_CHECKPOINT_WATCHER_STATUS),
+    Service("inference", "worker", subjects.SVC_INFERENCE_STATUS),
+    Service("gateway", "http", subjects.SVC_GATEWAY_STATUS),
+]
+
+
+@pytest.fixture(params=SERVICES, ids=lambda s: s.name)
+def service(request) -> Service:
+    return request.param
+
+
+@pytest.fixture
+def env(nats_url, tmp_path, service) -> dict[str, str]:
+    """What the stack gives every service (stack.py's env), on a state directory of its own."""
+    return {
+        "LOOPLINE_NATS_URL": nats_url,
+        "LOOPLINE_STATE_DIR": str(tmp_path / "state"),
+        "LOOPLINE_MODELS_DIR": str(MODELS_DIR),
+        "LOOPLINE_MODEL": tiny_model(),
+        "LOOPLINE_ENGINE": "reference",
+        "LOOPLINE_LAUNCHER": "local",
+        "LOOPLINE_HOST": "127.0.0.1",
+        "LOOPLINE_PORT": str(launcher.free_port()),
+        "LOOPLINE_LOG_LEVEL": "INFO",
+        "LOOPLINE_REPLICA_ID": f"{service.name}-under-test",
+    }
+
+
+def wait_serving(proc: launcher.Proc, service: Service, env: dict[str, str]) -> None:
+    """Until the process answers its status as the replica it was told to be."""
+
+    async def ask() -> None:
+        deadline = time.monotonic() + READY_WITHIN_S
+        nc = await bus.connect(env["LOOPLINE_NATS_URL"], "service-exit-test")
+        try:
+            while True:
+                assert proc.alive(), f"{service.name} exited {proc.popen.returncode}:\n{proc.log_tail(80)}"
+                assert time.monotonic() < deadline, f"{service.name} never answered:\n{proc.log_tail()}"
+                try:
+                    reply = await nc.request(service.status_subject, b"{}", timeout=0.5)
+                except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+                    await asyncio.sleep(0.1)
+                    continue
+                status = ServiceStatus.model_validate_json(reply.data)
+                assert status.replica == env["LOOPLINE_REPLICA_ID"], status
+                return
+        finally:
+            await nc.close()
+
+    asyncio.run(ask())
+
+
+def exit_code(proc: launcher.Proc, within_s: float) -> int:
+    try:
+        return proc.popen.wait(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        launcher.kill(proc)
+        pytest.fail(f"{proc.name} still running {within_s:.0f} s later:\n{proc.log_tail(80)}")
+
+
+def start_with_a_dying_loop(service: Service, env: dict[str, str], log_path: Path) -> launcher.Proc:
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "support.kill_loop", service.package, service.main_loop, str(AFTER_S)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, **env, "PYTHONPATH": path})
+    return launcher.Proc(service.name, popen, log_path)
+
+
+def test_a_service_whose_main_loop_dies_exits_non_zero_by_itself(service, env, tmp_path):
+    proc = start_with_a_dying_loop(service, env, tmp_path / "logs" / f"{service.name}.log")
+    try:
+        wait_serving(proc, service, env)
+        code = exit_code(proc, EXIT_WITHIN_S)
+    finally:
+        launcher.kill(proc)
+    log = proc.log_path.read_text(errors="replace")
+    assert code == runtime.EXIT_LOOP_DIED != 0, log
+    assert "serving: loops" in log and f"loop {service.main_loop} died" in log, log
+    assert "Traceback (most recent call last)" in log and f"RuntimeError: {KILLED}" in log, log
+
+
+def test_sigterm_stops_a_service_with_0(service, env, tmp_path):
+    proc = launcher.start_service(service.name, env, tmp_path / "logs" / f"{service.name}.log")
+    try:
+        wait_serving(proc, service, env)
+        proc.popen.send_signal(signal.SIGTERM)
+        code = exit_code(proc, runtime.GRACE_S + 15)
+    finally:
+        launcher.kill(proc)
+    log = proc.log_path.read_text(errors="replace")
+    assert code == 0, log
+    assert "SIGTERM received" in log and "stopped (exit 0)" in log and "Traceback" not in log, log
+    # Every loop let go of its subscriptions: nothing held the final drain up to its timeout.
+    assert "draining connection timed out" not in log, log
