@@ -1,8 +1,9 @@
 """Wire schemas of training jobs: gateway <-> trainer requests, and the job events users follow.
 
-A job is named by its hash (``jobs.job_hash``): the canonical params plus the sha256 of the
+A job is named by its hash (``job_hash.py``): the canonical params plus the sha256 of the
 uncompressed dataset (and of the job's own ``ml/`` code when it ships one). The trainer keeps the
-registry; these types are only what crosses NATS.
+registry; these types are only what crosses NATS. The params are ``train_params.TrainParams``,
+carried in their canonical form (what the client set), so each side applies the same defaults.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel, Field
+
+from loopline.common.adapter_format import AdapterType
+from loopline.common.job_hash import JobHash, Sha256Hex
+from loopline.common.train_params import CanonicalTrainParams
 
 
 class JobStatus(str, Enum):
@@ -29,13 +34,13 @@ class JobStatus(str, Enum):
 class JobSubmit(BaseModel):
     """Gateway -> trainer: the dataset (and code) are already in the ``datasets`` object store."""
 
-    job_hash: str
-    # The user's train_args as sent, with ``llm_name`` filled in with the served model when absent.
-    params: dict[str, Any]
-    dataset_sha256: str  # object name in the datasets bucket; dataset.jsonlines, uncompressed
+    job_hash: JobHash
+    # The user's train_args, validated, with ``llm_name`` filled in with the served model when absent.
+    params: CanonicalTrainParams
+    dataset_sha256: Sha256Hex  # object name in the datasets bucket; dataset.jsonlines, uncompressed
     dataset_bytes: int
     examples: int
-    code_sha256: str | None = None  # object name of a deterministic tar of the job's own ml/
+    code_sha256: Sha256Hex | None = None  # object name of a deterministic tar of the job's own ml/
 
 
 class JobRef(BaseModel):
@@ -60,9 +65,9 @@ class CheckpointInfo(BaseModel):
 class JobInfo(BaseModel):
     job_hash: str
     status: JobStatus
-    params: dict[str, Any]
+    params: CanonicalTrainParams  # as submitted; llm_name and adapter_type below are the effective ones
     llm_name: str
-    adapter_type: str
+    adapter_type: AdapterType
     job_directory: str
     # From the JobSubmit; the gateway shows them in ScalarLM's job_config (dataset_hash).
     dataset_sha256: str | None = None
@@ -150,7 +155,7 @@ class CheckpointAnnounce(BaseModel):
     created_at: float  # when the checkpoint was written (its folder's mtime), Unix seconds
     announced_at: float  # when the watcher published this (created_at -> announced_at: its latency)
     # "tokenformer" or "lora"; "none" is a full-weights checkpoint (stored, marked: inference decides).
-    adapter_type: str
+    adapter_type: AdapterType
     base_model: str  # the served model the job adapts (its params' llm_name); <base> in the subject
     object_name: str  # in the adapters bucket: f"{job_hash}/{step}"
     adapter_config: dict[str, Any]  # adapter_config.json as the checkpoint holds it

@@ -1,13 +1,12 @@
-"""What a training job is made of: its hash, and the training archive a client uploads.
+"""The training archive a client uploads: read as a stream, checked, never extracted to disk.
 
-ScalarLM names a job by the sha256 of the uploaded archive; its 1.151 SDK gzips that archive with the
-mtime in the gzip header, so every resubmission of the same data becomes a new job. We hash what the
-job is made of instead: the canonical params, the *uncompressed* dataset, and the job's own ``ml/``
-code (as a deterministic tar) when it ships one. Same data and params, same job, however packed.
+A tar, tar.gz or plain (optionally gzipped) jsonlines file holding ``dataset.jsonlines`` and,
+optionally, the job's own ``ml/`` code (kept as a deterministic tar, so equal code has an equal
+hash: ``job_hash.py``).
 
-The archive is untrusted input: it is read as a stream and nothing is extracted to disk. Only regular
-files and directories with relative, non-escaping names are accepted, and the uncompressed size is
-capped as it is read, so a small tar.gz cannot inflate into gigabytes.
+The archive is untrusted input. Only regular files and directories with relative, non-escaping
+names are accepted, and the uncompressed size is capped as it is read, so a small tar.gz cannot
+inflate into gigabytes.
 """
 
 from __future__ import annotations
@@ -22,29 +21,15 @@ import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import IO, Any, BinaryIO
+from typing import IO, BinaryIO
 
-DATASET_NAME = "dataset.jsonlines"
-CODE_DIR = "ml"
+from loopline.common.job_layout import CODE_DIR, DATASET_FILE
+
 # The dataset is spooled to disk beyond this, so a large upload does not sit in memory.
 SPOOL_BYTES = 8 * 1024 * 1024
 # A job's own code is kept in memory (it is one tar in the object store); larger is refused.
 MAX_CODE_BYTES = 64 * 1024 * 1024
 _TAR_BLOCK = 512
-
-
-# --- the job hash ----------------------------------------------------------------------------------
-def canonical_params(params: Mapping[str, Any]) -> bytes:
-    """The params as sorted-keys compact JSON: equal dicts give equal bytes, whatever the key order."""
-    return json.dumps(params, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False).encode()
-
-
-def job_hash(params: Mapping[str, Any], dataset_sha256: str, code_sha256: str | None = None) -> str:
-    """64 hex digits naming the job; the parts are hashed as one canonical JSON object, so no two
-    different (params, dataset, code) can run together into the same bytes."""
-    whole = {"params": params, "dataset_sha256": dataset_sha256, "code_sha256": code_sha256}
-    return hashlib.sha256(canonical_params(whole)).hexdigest()
 
 
 # --- errors ----------------------------------------------------------------------------------------
@@ -103,7 +88,7 @@ def read_training_archive(source: str | Path | BinaryIO, max_bytes: int, max_mem
             # Headers and padding come on top of the content; the cap still bounds what we inflate.
             capped = _Capped(stream, max_bytes + _TAR_BLOCK * (3 * max_members + 4), "the archive")
             return _read_tar(capped, max_bytes, max_members)
-        capped = _Capped(stream, max_bytes, DATASET_NAME)
+        capped = _Capped(stream, max_bytes, DATASET_FILE)
         dataset, sha, size, examples = _copy_dataset(io.BufferedReader(capped))
         return TrainingArchive(dataset, sha, size, examples)
     except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
@@ -156,9 +141,9 @@ def _read_tar(capped: _Capped, max_bytes: int, max_members: int) -> TrainingArch
                 total += member.size
                 if total > max_bytes:
                     raise ArchiveTooLarge(f"the archive's files add up to more than {max_bytes} bytes")
-                if name == DATASET_NAME:
+                if name == DATASET_FILE:
                     if dataset is not None:
-                        raise InvalidDataset(f"the archive holds {DATASET_NAME} twice")
+                        raise InvalidDataset(f"the archive holds {DATASET_FILE} twice")
                     dataset = TrainingArchive(*_copy_dataset(tar.extractfile(member)))
                 elif name.startswith(CODE_DIR + "/"):
                     if name in code_files:
@@ -177,7 +162,7 @@ def _read_tar(capped: _Capped, max_bytes: int, max_members: int) -> TrainingArch
             dataset.close()
         raise
     if dataset is None:
-        raise InvalidDataset(f"the archive has no {DATASET_NAME} at its top level")
+        raise InvalidDataset(f"the archive has no {DATASET_FILE} at its top level")
     if code_files:
         dataset.code = deterministic_tar(code_files)
         dataset.code_sha256 = hashlib.sha256(dataset.code).hexdigest()
@@ -217,14 +202,14 @@ def _copy_dataset(lines: Iterable[bytes]) -> tuple[BinaryIO, str, int, int]:
         raise
     if examples == 0:
         out.close()
-        raise InvalidDataset(f"{DATASET_NAME} has no examples: send at least one line "
+        raise InvalidDataset(f"{DATASET_FILE} has no examples: send at least one line "
                              '{"input": "...", "output": "..."}')
     out.seek(0)
     return out, sha.hexdigest(), size, examples
 
 
 def _check_example(line: bytes, number: int) -> None:
-    where = f"{DATASET_NAME} line {number}"
+    where = f"{DATASET_FILE} line {number}"
     try:
         example = json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as exc:

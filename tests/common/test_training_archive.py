@@ -1,4 +1,4 @@
-"""Job hashing and training-archive reading (loopline.common.jobs): pure functions, no services."""
+"""Training-archive reading (loopline.common.training_archive): pure functions, no services."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import tarfile
 
 import pytest
 
-from loopline.common import jobs
+from loopline.common import training_archive as archives
+from loopline.common.job_hash import job_hash
+from loopline.common.job_layout import DATASET_FILE
 
 EXAMPLES = [{"input": "What is i + i?", "output": "The answer is 2i."}, {"input": "1+1", "output": "2"}]
 DATASET = "".join(json.dumps(e) + "\n" for e in EXAMPLES).encode()
@@ -34,41 +36,25 @@ def make_tar(members: list[tarfile.TarInfo | tuple[str, bytes]], *, gz: bool = F
     return gzip.compress(data, mtime=mtime) if gz else data
 
 
-def read(data: bytes, max_bytes: int = LIMIT, max_members: int = 100) -> jobs.TrainingArchive:
-    return jobs.read_training_archive(io.BytesIO(data), max_bytes, max_members)
+def read(data: bytes, max_bytes: int = LIMIT, max_members: int = 100) -> archives.TrainingArchive:
+    return archives.read_training_archive(io.BytesIO(data), max_bytes, max_members)
 
 
-# --- hashing ---------------------------------------------------------------------------------------
-def test_canonical_params_ignore_key_order():
-    a = {"max_steps": 10, "lora_config": {"r": 8, "alpha": 32}, "llm_name": "m"}
-    b = {"llm_name": "m", "lora_config": {"alpha": 32, "r": 8}, "max_steps": 10}
-    assert jobs.canonical_params(a) == jobs.canonical_params(b) == \
-        b'{"llm_name":"m","lora_config":{"alpha":32,"r":8},"max_steps":10}'
-    assert jobs.job_hash(a, "d" * 64) == jobs.job_hash(b, "d" * 64)
-
-
-def test_hash_changes_with_params_dataset_and_code():
-    base = jobs.job_hash({"max_steps": 10}, "a" * 64)
-    assert len(base) == 64 and int(base, 16) >= 0
-    assert jobs.job_hash({"max_steps": 11}, "a" * 64) != base
-    assert jobs.job_hash({"max_steps": 10}, "b" * 64) != base
-    assert jobs.job_hash({"max_steps": 10}, "a" * 64, "c" * 64) != base
-
-
+# --- reading -------------------------------------------------------------------------------------
 def test_same_data_gzipped_twice_gives_the_same_job():
-    first = make_tar([("dataset.jsonlines", DATASET)], gz=True, mtime=1000)
-    second = make_tar([("dataset.jsonlines", DATASET)], gz=True, mtime=2000)
+    first = make_tar([(DATASET_FILE, DATASET)], gz=True, mtime=1000)
+    second = make_tar([(DATASET_FILE, DATASET)], gz=True, mtime=2000)
     assert first != second  # what ScalarLM hashes differs...
     with read(first) as a, read(second) as b:
         assert a.dataset_sha256 == b.dataset_sha256 == hashlib.sha256(DATASET).hexdigest()
-        assert jobs.job_hash({}, a.dataset_sha256) == jobs.job_hash({}, b.dataset_sha256)  # ...ours not
+        assert job_hash({}, a.dataset_sha256) == job_hash({}, b.dataset_sha256)  # ...ours not
         assert a.examples == 2 and a.dataset_bytes == len(DATASET) and a.dataset.read() == DATASET
         assert a.code is None and a.code_sha256 is None
 
 
 @pytest.mark.parametrize("packing", ["tar", "plain", "gzip"])
 def test_every_packing_reads_the_same_dataset(packing):
-    data = {"tar": make_tar([("./dataset.jsonlines", DATASET)]), "plain": DATASET,
+    data = {"tar": make_tar([(f"./{DATASET_FILE}", DATASET)]), "plain": DATASET,
             "gzip": gzip.compress(DATASET, mtime=5)}[packing]
     with read(data) as archive:
         assert archive.dataset_sha256 == hashlib.sha256(DATASET).hexdigest() and archive.examples == 2
@@ -77,7 +63,7 @@ def test_every_packing_reads_the_same_dataset(packing):
 def test_ml_code_becomes_a_deterministic_tar():
     def archive(order, mtime):
         files = {"ml/cray_megatron/main.py": b"print('hi')\n", "ml/util.py": b"X = 1\n"}
-        members = [("dataset.jsonlines", DATASET)] + [(n, files[n]) for n in order]
+        members = [(DATASET_FILE, DATASET)] + [(n, files[n]) for n in order]
         return make_tar(members, gz=True, mtime=mtime)
 
     with read(archive(["ml/util.py", "ml/cray_megatron/main.py"], 1)) as a, \
@@ -108,19 +94,19 @@ def device(name: str) -> tarfile.TarInfo:
     (("ml/../../evil.py", b"x"), "outside"),
     (("/etc/cron.d/evil", b"x"), "absolute"),
     (link("ml/passwd", "/etc/passwd"), "link"),
-    (link("ml/hard", "dataset.jsonlines", tarfile.LNKTYPE), "link"),
+    (link("ml/hard", DATASET_FILE, tarfile.LNKTYPE), "link"),
     (device("ml/null"), "device"),
 ])
 def test_unsafe_members_are_refused(member, message):
-    with pytest.raises(jobs.UnsafeArchive, match=message):
-        read(make_tar([("dataset.jsonlines", DATASET), member], gz=True))
+    with pytest.raises(archives.UnsafeArchive, match=message):
+        read(make_tar([(DATASET_FILE, DATASET), member], gz=True))
 
 
 def test_tar_bombs_are_stopped():
     # 64 MiB of zeros compress to ~64 KiB: refused from the member's declared size, unread.
-    bomb = make_tar([("dataset.jsonlines", DATASET), ("ml/zeros.bin", bytes(64 * 1024 * 1024))], gz=True)
+    bomb = make_tar([(DATASET_FILE, DATASET), ("ml/zeros.bin", bytes(64 * 1024 * 1024))], gz=True)
     assert len(bomb) < 200_000
-    with pytest.raises(jobs.ArchiveTooLarge, match="add up to more than"):
+    with pytest.raises(archives.ArchiveTooLarge, match="add up to more than"):
         read(bomb)
     # Bytes that are no member's content (a huge PAX header) are stopped while inflating.
     info = tarfile.TarInfo("ml/x.py")
@@ -128,15 +114,15 @@ def test_tar_bombs_are_stopped():
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
         tar.addfile(info, io.BytesIO(b""))
-    with pytest.raises(jobs.ArchiveTooLarge, match="uncompressed"):
+    with pytest.raises(archives.ArchiveTooLarge, match="uncompressed"):
         read(gzip.compress(raw.getvalue()))
-    with pytest.raises(jobs.ArchiveTooLarge, match="uncompressed"):
+    with pytest.raises(archives.ArchiveTooLarge, match="uncompressed"):
         read(gzip.compress(b'{"input":"a","output":"b"}\n' + b" " * (4 * LIMIT)))
 
 
 def test_too_many_members_are_refused():
-    many = [("dataset.jsonlines", DATASET)] + [(f"ml/f{i}.py", b"") for i in range(20)]
-    with pytest.raises(jobs.ArchiveTooLarge, match="more than 10 entries"):
+    many = [(DATASET_FILE, DATASET)] + [(f"ml/f{i}.py", b"") for i in range(20)]
+    with pytest.raises(archives.ArchiveTooLarge, match="more than 10 entries"):
         read(make_tar(many), max_members=10)
 
 
@@ -150,12 +136,12 @@ def test_too_many_members_are_refused():
     (b"\n\n", "no examples"),
 ])
 def test_bad_lines_are_reported_with_their_number(content, message):
-    with pytest.raises(jobs.InvalidDataset, match=message):
-        read(make_tar([("dataset.jsonlines", content)], gz=True))
+    with pytest.raises(archives.InvalidDataset, match=message):
+        read(make_tar([(DATASET_FILE, content)], gz=True))
 
 
 def test_archive_without_dataset_or_corrupt_is_refused():
-    with pytest.raises(jobs.InvalidDataset, match="no dataset.jsonlines"):
+    with pytest.raises(archives.InvalidDataset, match=f"no {DATASET_FILE}"):
         read(make_tar([("data.jsonl", DATASET)]))
-    with pytest.raises(jobs.BadArchive):
-        read(make_tar([("dataset.jsonlines", DATASET)], gz=True)[:-30])  # truncated gzip
+    with pytest.raises(archives.BadArchive):
+        read(make_tar([(DATASET_FILE, DATASET)], gz=True)[:-30])  # truncated gzip
