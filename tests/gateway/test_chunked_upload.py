@@ -9,7 +9,8 @@ import pytest
 import scalarlm
 from masint.engines.cray import submit_training_job
 
-from loopline.common import jobs
+from loopline.common.job_hash import job_hash as hash_job
+from loopline.common.job_layout import DATASET_FILE
 from support.gateway_process import BASE_MODEL, MAX_CHUNK_BYTES
 from support.training_data import archive, jsonlines, sha256
 
@@ -50,14 +51,14 @@ def test_the_scalarlm_client_uploads_in_chunks(gateway, trainer, tmp_path, monke
     llm = scalarlm.SupermassiveIntelligence(api_url=gateway.url)
     reply = llm.train(examples, train_args={"max_steps": 21})
     params = {"max_steps": 21, "llm_name": BASE_MODEL}
-    assert reply["job_status"]["model_name"] == jobs.job_hash(params, sha256(jsonlines(examples)))
+    assert reply["job_status"]["model_name"] == hash_job(params, sha256(jsonlines(examples)))
     got = trainer.submits[-1]
     assert got.dataset == jsonlines(examples) and got.submit.examples == 300
     assert not list((gateway.state_dir / "uploads").iterdir())  # the staging is cleaned up
 
 
 def test_bad_chunk_hash_is_422_and_a_retry_succeeds(http, trainer):
-    data = archive({"dataset.jsonlines": jsonlines(varied_examples(200, seed=2))})
+    data = archive({DATASET_FILE: jsonlines(varied_examples(200, seed=2))})
     chunks = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)]
     assert len(chunks) >= 3
     params = {"max_steps": 22}
@@ -99,6 +100,8 @@ def test_bad_chunk_hash_is_422_and_a_retry_succeeds(http, trainer):
     ({"chunk_size": MAX_CHUNK_BYTES + 1, "num_chunks": 1}, 413),
     ({"num_chunks": 99}, 422),
     ({"total_hash": "not-a-hash"}, 422),
+    ({"params": {"max_steps": 0}}, 422),  # refused before a chunk is sent
+    ({"total_hash": "A" * 64}, 200),  # hex digits of either case
 ])
 def test_init_checks_what_the_client_declares(http, change, status):
     body = {"total_size": 1000, "total_hash": "a" * 64, "chunk_size": 1000, "num_chunks": 1, "params": {}}

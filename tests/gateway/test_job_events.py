@@ -6,11 +6,12 @@ import json
 
 import httpx
 
+from loopline.common.job_layout import DATASET_FILE
 from support.training_data import EXAMPLES, archive, jsonlines
 
 
 def submit(http, max_steps: int) -> str:
-    data = archive({"dataset.jsonlines": jsonlines(EXAMPLES)})
+    data = archive({DATASET_FILE: jsonlines(EXAMPLES)})
     resp = http.post("/v1/megatron/train", files={"file": ("dataset", data)},
                      data={"params": json.dumps({"max_steps": max_steps})})
     assert resp.status_code == 200, resp.text

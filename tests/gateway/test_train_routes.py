@@ -12,7 +12,8 @@ import pytest
 import scalarlm
 from masint.cli import view_logs
 
-from loopline.common import jobs
+from loopline.common.job_hash import job_hash as hash_job
+from loopline.common.job_layout import DATASET_FILE
 from support.gateway_process import BASE_MODEL, MAX_MEMBERS, MAX_UPLOAD_BYTES
 from support.training_data import EXAMPLES, archive, jsonlines, sha256
 
@@ -36,7 +37,7 @@ def test_train_and_get_with_the_scalarlm_client(llm, trainer):
     job_hash = reply["job_status"]["model_name"]
     params = {"max_steps": 7, "learning_rate": 1e-3, "llm_name": BASE_MODEL}
     # Our hash: canonical params (llm_name filled in) + the uncompressed dataset, not the gzip bytes.
-    assert job_hash == jobs.job_hash(params, sha256(jsonlines(examples)))
+    assert job_hash == hash_job(params, sha256(jsonlines(examples)))
     assert reply["job_status"]["status"] == "QUEUED" and reply["deployed"] is False
     assert reply["job_status"]["job_directory"].endswith(job_hash)
     assert reply["job_config"]["llm_name"] == BASE_MODEL
@@ -104,23 +105,23 @@ def test_oversized_upload_is_413(http):
 
 def test_tar_bombs_are_413(http):
     # 8 MiB of zeros pack into a few KiB; the gateway stops inflating at its (test) 1 MiB limit.
-    bomb = archive({"dataset.jsonlines": jsonlines(EXAMPLES), "ml/zeros": bytes(8 * 1024 * 1024)})
+    bomb = archive({DATASET_FILE: jsonlines(EXAMPLES), "ml/zeros": bytes(8 * 1024 * 1024)})
     assert len(bomb) < MAX_UPLOAD_BYTES
     resp = post_train(http, bomb)
     assert resp.status_code == 413 and "more than" in resp.json()["detail"]
     empty_files = {f"ml/{i}.py": b"" for i in range(MAX_MEMBERS)}
-    many = archive({"dataset.jsonlines": jsonlines(EXAMPLES), **empty_files})
+    many = archive({DATASET_FILE: jsonlines(EXAMPLES), **empty_files})
     resp = post_train(http, many)
     assert resp.status_code == 413 and "entries" in resp.json()["detail"]
 
 
 @pytest.mark.parametrize("data, status, message", [
-    (archive({"dataset.jsonlines": jsonlines(EXAMPLES) + b'{"input": "x"}\n'}), 422,
+    (archive({DATASET_FILE: jsonlines(EXAMPLES) + b'{"input": "x"}\n'}), 422,
      "line 3: 'output' is missing"),
-    (archive({"dataset.jsonlines": b"not json\n"}), 422, "line 1: not valid JSON"),
+    (archive({DATASET_FILE: b"not json\n"}), 422, "line 1: not valid JSON"),
     (archive({"data.jsonl": jsonlines(EXAMPLES)}), 422, "no dataset.jsonlines"),
-    (archive({"dataset.jsonlines": jsonlines(EXAMPLES), "../escape.py": b"x"}), 400, "outside"),
-    (archive({"dataset.jsonlines": jsonlines(EXAMPLES)})[:-20], 400, "not a readable"),
+    (archive({DATASET_FILE: jsonlines(EXAMPLES), "../escape.py": b"x"}), 400, "outside"),
+    (archive({DATASET_FILE: jsonlines(EXAMPLES)})[:-20], 400, "not a readable"),
 ])
 def test_bad_archives_get_a_clear_4xx(http, data, status, message):
     resp = post_train(http, data)
@@ -145,7 +146,38 @@ def test_plain_jsonlines_and_llm_name_given(http, trainer):
     assert resp.status_code == 200, resp.text
     body = resp.json()
     assert body["job_config"]["llm_name"] == "other/model"
-    assert body["job_status"]["model_name"] == jobs.job_hash(params, sha256(jsonlines(EXAMPLES)))
+    assert body["job_status"]["model_name"] == hash_job(params, sha256(jsonlines(EXAMPLES)))
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"max_steps": 0}, "params.max_steps"),
+    ({"learning_rate": "fast"}, "params.learning_rate"),
+    ({"lora_config": {"r": 8.5}}, "params.lora_config.r"),
+    ({"adapter_type": "dora"}, "params.adapter_type"),
+    ({"tensor_parallel": 2, "adapter_type": "lora"}, "params"),
+])
+def test_bad_params_are_a_422_naming_the_field_before_anything_is_stored(http, trainer, params, field):
+    from nats.js.errors import NotFoundError
+
+    examples = EXAMPLES + [{"input": "refused", "output": field}]
+    resp = post_train(http, archive({DATASET_FILE: jsonlines(examples)}), params)
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["detail"].startswith(f"{field}: "), resp.json()["detail"]
+    with pytest.raises(NotFoundError):
+        trainer.dataset_info(sha256(jsonlines(examples)))
+
+
+def test_params_that_mean_the_same_are_one_job(http, trainer):
+    data = jsonlines(EXAMPLES + [{"input": "canonical", "output": "params"}])
+    first = post_train(http, data, {"max_steps": 4, "seed": None, "adapter_type": "LoRA", "gpus": 2}).json()
+    second = post_train(http, data, {"adapter_type": "lora", "gpus": 2, "max_steps": 4}).json()
+    job_hash = first["job_status"]["model_name"]
+    assert second["job_status"]["model_name"] == job_hash
+    params = {"max_steps": 4, "adapter_type": "lora", "gpus": 2, "llm_name": BASE_MODEL}
+    assert job_hash == hash_job(params, sha256(data))
+    # What the client sent beyond our params is kept (it is part of the job) and shown back.
+    assert first["job_config"]["gpus"] == 2 and first["job_config"]["adapter_type"] == "lora"
+    assert trainer.submits[-1].submit.params.model_dump(mode="json", exclude_unset=True) == params
 
 
 def test_cancel_restart_delete_pass_the_trainer_through(llm, http, trainer):

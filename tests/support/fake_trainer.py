@@ -149,9 +149,9 @@ class FakeTrainer:
         if job.job_hash not in self.jobs:
             self.jobs[job.job_hash] = JobInfo(
                 job_hash=job.job_hash, status=JobStatus.QUEUED, params=job.params,
-                llm_name=job.params["llm_name"], adapter_type=job.params.get("adapter_type", "tokenformer"),
+                llm_name=job.params.llm_name, adapter_type=job.params.adapter_type,
                 job_directory=f"/jobs/{job.job_hash}", slurm_job_id=str(len(self.jobs) + 1),
-                created_at=time.time(), max_steps=job.params.get("max_steps", 100),
+                created_at=time.time(), max_steps=job.params.max_steps,
                 dataset_sha256=job.dataset_sha256, code_sha256=job.code_sha256)
             await self._emit(job.job_hash, "queued")
         return self.jobs[job.job_hash]

@@ -10,7 +10,6 @@ or its LRU bound evicted the job) loads it at the job's next request, so the fla
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 
 from nats.js import JetStreamContext
@@ -18,14 +17,13 @@ from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from loopline.common import subjects
+from loopline.common.job_hash import is_job_hash
 from loopline.common.job_schemas import AdapterEvent
 
 log = logging.getLogger(__name__)
 
 # Idle heartbeat of the event subscription: how soon a lost consumer is noticed (start()).
 HEARTBEAT_S = 1.0
-# A name that can be a job hash in a subject (the look-up must not send a wildcard).
-_SUBJECT_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 
 @dataclass
@@ -74,7 +72,9 @@ class AdapterRegistry:
     async def find(self, job_hash: str) -> ServedAdapter | None:
         """The job's adapter; on a miss, its last ``loaded`` event is read from the stream, so a
         request that follows a load closely does not depend on the subscription's delivery."""
-        if job_hash in self.served or not _SUBJECT_TOKEN.match(job_hash):
+        # Only a job hash is looked up: any other model name would make a subject of its own (a
+        # wildcard, a dot) and cannot be a job anyway.
+        if job_hash in self.served or not is_job_hash(job_hash):
             return self.served.get(job_hash)
         try:
             msg = await self.js.get_last_msg(subjects.EVENTS_STREAM,

@@ -8,7 +8,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from loopline.common.job_layout import DATASET_FILE
 from loopline.common.job_schemas import HistoryPoint, JobInfo
+from loopline.common.train_params import canonical
 
 # ScalarLM's `ls -l` shows the loss as an exponential moving average of the history.
 LOSS_EMA = 0.9
@@ -74,10 +76,11 @@ def train_response(info: JobInfo, deployed: bool) -> TrainResponse:
         max_steps=info.max_steps, step=info.step, accumulated_train_seconds=train_seconds(info),
         error=info.error,
     )
-    # The effective values win over what the user sent (llm_name filled in, adapter_type defaulted).
-    config = {**info.params, "llm_name": info.llm_name, "adapter_type": info.adapter_type,
+    # The params as the user set them (canonical), then the effective values, which win (llm_name
+    # filled in, adapter_type defaulted).
+    config = {**canonical(info.params), "llm_name": info.llm_name, "adapter_type": info.adapter_type,
               "dataset_hash": info.dataset_sha256, "job_directory": info.job_directory,
-              "training_data_path": f"{info.job_directory}/dataset.jsonlines"}
+              "training_data_path": f"{info.job_directory}/{DATASET_FILE}"}
     return TrainResponse(job_status=status, job_config=config, deployed=deployed)
 
 

@@ -8,29 +8,34 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import re
-from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
+from loopline.common.job_hash import Sha256Hex
+from loopline.common.train_params import TrainParams, canonical
 from loopline.gateway.errors import ApiError
 from loopline.gateway.train_models import TrainResponse
-from loopline.gateway.train_submit import submit_archive
+from loopline.gateway.train_submit import submit_archive, validate_params
 from loopline.gateway.upload_chunks import ChunkStaging, UnknownUpload, UploadPlan
 
 router = APIRouter(prefix="/v1/megatron/upload")
 
-_SHA256 = re.compile(r"^[0-9a-fA-F]{64}$")
 
 
 class InitRequest(BaseModel):
     total_size: int = Field(gt=0)
-    total_hash: str = Field(pattern=_SHA256.pattern)
+    total_hash: Sha256Hex
     chunk_size: int = Field(gt=0)
     num_chunks: int = Field(gt=0)
     compressed: bool = True  # informative only: the packing is recognised from the bytes
-    params: dict[str, Any] = Field(default_factory=dict)
+    # Validated here, so a bad one is refused (422 naming the field) before any chunk is sent.
+    params: TrainParams = Field(default_factory=TrainParams)
+
+    @field_validator("total_hash", mode="before")
+    @classmethod
+    def _lower_case(cls, value):
+        return value.lower() if isinstance(value, str) else value  # hex digits of either case
 
 
 class FinalizeRequest(BaseModel):
@@ -61,7 +66,8 @@ async def init(body: InitRequest, request: Request):
     if body.num_chunks != -(-body.total_size // body.chunk_size):
         raise ApiError(422, f"{body.total_size} bytes in chunks of {body.chunk_size} make "
                             f"{-(-body.total_size // body.chunk_size)} chunks, not {body.num_chunks}")
-    plan = UploadPlan(body.total_size, body.total_hash.lower(), body.chunk_size, body.num_chunks, body.params)
+    plan = UploadPlan(body.total_size, body.total_hash, body.chunk_size, body.num_chunks,
+                      canonical(body.params))
     upload_id, received = await asyncio.to_thread(staging_of(request).open, plan)
     return {"upload_id": upload_id, "received_chunks": received}
 
@@ -126,7 +132,7 @@ async def finalize(body: FinalizeRequest, request: Request):
         raise ApiError(422, f"the assembled upload is {size} bytes with sha256 {sha}; init declared "
                             f"{plan.total_size} bytes with {plan.total_hash}; upload it again")
     try:
-        response = await submit_archive(request, path, dict(plan.params))
+        response = await submit_archive(request, path, validate_params(dict(plan.params)))
     except ApiError as exc:
         if exc.status < 500:  # the archive itself is refused: keeping it helps nobody
             staging.discard(body.upload_id)
