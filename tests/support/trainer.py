@@ -13,7 +13,7 @@ from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
 from pydantic import BaseModel
 
 from loopline.common import subjects
-from loopline.common.job_schemas import JobEvent, JobInfo, JobRef, JobSubmit
+from loopline.common.job_schemas import JobEvent, JobInfo, JobRef
 
 DATASET = b'{"input": "What is 2+2?", "output": " 4"}\n{"input": "Capital of France?", "output": " Paris"}\n'
 
@@ -54,9 +54,11 @@ class TrainerClient:
         dataset_sha = await self.put(dataset)
         code_sha = await self.put(code) if code is not None else None
         whole = json.dumps({"params": params, "dataset": dataset_sha, "code": code_sha}, sort_keys=True)
-        request = JobSubmit(job_hash=hashlib.sha256(whole.encode()).hexdigest(), params=params,
-                            dataset_sha256=dataset_sha, dataset_bytes=len(dataset),
-                            examples=dataset.count(b"\n"), code_sha256=code_sha)
+        # A JobSubmit's fields as a plain dict: params go as given, so that the trainer's own
+        # refusal of a bad one is what a test sees (JobSubmit would refuse it here).
+        request = {"job_hash": hashlib.sha256(whole.encode()).hexdigest(), "params": params,
+                   "dataset_sha256": dataset_sha, "dataset_bytes": len(dataset),
+                   "examples": dataset.count(b"\n"), "code_sha256": code_sha}
         return JobInfo.model_validate(await self.call(subjects.SVC_TRAINER_SUBMIT, request))
 
     async def job(self, subject: str, ref: str) -> JobInfo:

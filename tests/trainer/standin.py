@@ -21,6 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+from loopline.common.job_layout import (CHECKPOINTS_DIR, CONFIG_FILE, EVENTS_FILE, STATUS_FILE,
+                                        checkpoint_name, checkpoint_step, checkpoint_temp_prefix)
+
 
 def main() -> int:
     parser = argparse.ArgumentParser()
@@ -29,7 +32,7 @@ def main() -> int:
     stop = {"term": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(term=True))
 
-    params = json.loads((job_dir / "config.json").read_text())["params"]
+    params = json.loads((job_dir / CONFIG_FILE).read_text())["params"]
     rank = int(os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")))
     world = int(os.environ.get("SLURM_NTASKS", os.environ.get("WORLD_SIZE", "1")))
     max_steps = int(params.get("max_steps", 5))
@@ -39,8 +42,9 @@ def main() -> int:
         print("standin: crashing on purpose", flush=True)
         return 1
 
-    checkpoints = job_dir / "checkpoints"
-    done = sorted(int(p.name[5:]) for p in checkpoints.glob("step-*")) if checkpoints.is_dir() else []
+    checkpoints = job_dir / CHECKPOINTS_DIR
+    found = (checkpoint_step(p.name) for p in checkpoints.iterdir()) if checkpoints.is_dir() else ()
+    done = sorted(step for step in found if step is not None)
     step = done[-1] if done else 0
     with open(job_dir / "runs.txt", "a") as runs:
         runs.write(f"start {step} rank {rank}/{world}\n")
@@ -51,7 +55,7 @@ def main() -> int:
             step += 1
         return 143 if stop["term"] else 0
 
-    previous = _read(job_dir / "status.json")
+    previous = _read(job_dir / STATUS_FILE)
     status = {
         "status": "TRAINING", "step": step, "max_steps": max_steps, "epoch": 0.0,
         "loss": None, "started_at": previous.get("started_at") or time.time(), "error": None,
@@ -60,23 +64,23 @@ def main() -> int:
 
     def write_status(**changes) -> None:
         status.update(changes, updated_at=time.time())
-        tmp = job_dir / ".status.json.tmp"
+        tmp = job_dir / f".{STATUS_FILE}.tmp"
         tmp.write_text(json.dumps(status))
-        os.replace(tmp, job_dir / "status.json")
+        os.replace(tmp, job_dir / STATUS_FILE)
 
     def event(kind: str, **fields) -> None:
-        with open(job_dir / "events.jsonl", "a") as f:
+        with open(job_dir / EVENTS_FILE, "a") as f:
             f.write(json.dumps({"kind": kind, "time": time.time(), **fields}) + "\n")
 
     def checkpoint() -> None:
-        final = checkpoints / f"step-{step:08d}"
+        final = checkpoints / checkpoint_name(step)
         if final.exists():
             return
-        tmp = checkpoints / f".tmp-step-{step:08d}"
+        tmp = checkpoints / checkpoint_temp_prefix(step)
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / "state.json").write_text(json.dumps({"step": step}))
         os.replace(tmp, final)
-        event("checkpoint", step=step, path=f"checkpoints/{final.name}", created_at=time.time())
+        event("checkpoint", step=step, path=f"{CHECKPOINTS_DIR}/{final.name}", created_at=time.time())
 
     if params.get("standin_fail"):
         write_status(status="FAILED", error=params["standin_fail"])

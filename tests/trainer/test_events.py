@@ -10,19 +10,25 @@ import pytest
 
 from loopline.common import subjects
 from loopline.common.db.engine import open_database, migrate
+from loopline.common.job_layout import CHECKPOINTS_DIR, EVENTS_FILE, checkpoint_name
 from loopline.common.job_schemas import JobStatus
+from loopline.common.train_params import TrainParams
 from loopline.trainer import jobdir
 from loopline.trainer.events import EventPublisher, event_from_line
 from loopline.trainer.registry import Job, Registry
 
 
+def path_of(step: int) -> str:
+    return f"{CHECKPOINTS_DIR}/{checkpoint_name(step)}"
+
+
 def test_lines_become_events():
-    flat = event_from_line("h", 3, b'{"kind": "checkpoint", "time": 5.0, "step": 4, '
-                                   b'"path": "checkpoints/step-00000004", "created_at": 4.5}\n')
+    flat = event_from_line("h", 3, json.dumps({"kind": "checkpoint", "time": 5.0, "step": 4,
+                                               "path": path_of(4), "created_at": 4.5}).encode() + b"\n")
     assert (flat.seq, flat.status, flat.step) == (3, JobStatus.TRAINING, 4)
-    assert flat.checkpoint.path == "checkpoints/step-00000004" and flat.checkpoint.created_at == 4.5
+    assert flat.checkpoint.path == path_of(4) and flat.checkpoint.created_at == 4.5
     nested = event_from_line("h", 1, json.dumps({"kind": "checkpoint", "checkpoint": {
-        "step": 2, "path": "checkpoints/step-00000002", "created_at": 1.0}}).encode())
+        "step": 2, "path": path_of(2), "created_at": 1.0}}).encode())
     assert nested.checkpoint.step == 2
     progress = event_from_line("h", 2, b'{"kind": "progress", "step": 1, "loss": 0.5, "grad_norm": 1.0}')
     assert progress.loss == 0.5 and progress.kind == "progress"
@@ -42,7 +48,7 @@ def registry(tmp_path):
 def new_job(registry: Registry, job_dir) -> Job:
     job_dir.mkdir(parents=True)
     return registry.insert(Job(
-        job_hash="h1", status=JobStatus.QUEUED, params={}, llm_name="tiny", model_path="tiny",
+        job_hash="h1", status=JobStatus.QUEUED, params=TrainParams(), llm_name="tiny", model_path="tiny",
         adapter_type="lora", job_dir=job_dir, dataset_sha256="d", code_sha256=None, launcher="local",
         slurm_job_id=None, attempts=0, retries=0, step_at_submit=0, created_at=time.time(),
         submitted_at=None, started_at=None, finished_at=None, step=0, max_steps=0, loss=None,
@@ -66,7 +72,7 @@ async def test_a_crash_before_the_cursor_is_stored_publishes_nothing_twice(nc, r
     job = new_job(registry, tmp_path / "h1")
     jobdir.append_event(job.job_dir, "queued")
     jobdir.append_event(job.job_dir, "started", step=0)
-    with open(job.job_dir / "events.jsonl", "ab") as f:
+    with open(job.job_dir / EVENTS_FILE, "ab") as f:
         f.write(b"this line is not an event\n")
         f.write(b'{"kind": "progress", "step": 1, "loss": 2.0}\n')
         f.write(b'{"kind": "progress", "st')  # being written right now
@@ -77,7 +83,7 @@ async def test_a_crash_before_the_cursor_is_stored_publishes_nothing_twice(nc, r
 
     # The trainer died after publishing and before storing the cursor: it publishes again.
     rolled_back = registry.update(job, events_seq=0, events_offset=0)
-    with open(job.job_dir / "events.jsonl", "ab") as f:
+    with open(job.job_dir / EVENTS_FILE, "ab") as f:
         f.write(b'ep": 2, "loss": 1.0}\n')
     job = await publisher.publish_pending(rolled_back)
     assert job.events_seq == 5
@@ -101,7 +107,7 @@ async def test_a_jobs_last_event_is_published_once_even_across_a_crash(nc, regis
 
     # Cancelled in SQL, then the trainer died before writing the event: it is written now.
     job = registry.update(job, status=JobStatus.CANCELLED, events_done=False)
-    with open(job.job_dir / "events.jsonl", "ab") as f:
+    with open(job.job_dir / EVENTS_FILE, "ab") as f:
         f.write(b'{"kind": "progress", "step": 3}\n')
     job = await publisher.publish_final(job)
     assert job.events_done and registry.get("h1").events_done
@@ -110,7 +116,7 @@ async def test_a_jobs_last_event_is_published_once_even_across_a_crash(nc, regis
     # The event was written but not published; what the run wrote after it is not news.
     job = registry.update(job, status=JobStatus.FAILED, events_done=False)
     jobdir.append_event(job.job_dir, "failed", error="boom")
-    jobdir.append_event(job.job_dir, "checkpoint", step=3, path="checkpoints/step-00000003", created_at=1.0)
+    jobdir.append_event(job.job_dir, "checkpoint", step=3, path=path_of(3), created_at=1.0)
     job = await publisher.publish_final(job)
     assert job.events_done and job.events_seq == 4
     assert [kind for _, kind in await stored(js, "h1")] == ["queued", "progress", "cancelled", "failed"]

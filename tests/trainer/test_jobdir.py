@@ -10,6 +10,7 @@ import tarfile
 
 import pytest
 
+from loopline.common.job_layout import CODE_DIR, ENTRYPOINT_FILE, EVENTS_FILE, STATUS_FILE
 from loopline.trainer import jobdir
 from loopline.trainer.errors import InvalidRequest
 from loopline.trainer.models import resolve_model_path
@@ -74,7 +75,7 @@ def test_code_archives_are_capped(tmp_path):
 def test_events_are_read_by_complete_lines(tmp_path):
     assert jobdir.read_events(tmp_path, 0, 10) == ([], 0)
     jobdir.append_event(tmp_path, "queued")
-    (tmp_path / "events.jsonl").open("ab").write(b'{"kind": "started"}\n{"kind": "pro')
+    (tmp_path / EVENTS_FILE).open("ab").write(b'{"kind": "started"}\n{"kind": "pro')
     lines, offset = jobdir.read_events(tmp_path, 0, 10)
     assert len(lines) == 2 and lines[1] == b'{"kind": "started"}\n'
     assert jobdir.read_events(tmp_path, offset, 10) == ([], offset)
@@ -84,7 +85,7 @@ def test_events_are_read_by_complete_lines(tmp_path):
 
 
 def test_logs_are_stitched_across_allocations(tmp_path):
-    first, second = tmp_path / "slurm-9.out", tmp_path / "slurm-10.out"
+    first, second = tmp_path / jobdir.log_name("slurm", "9"), tmp_path / jobdir.log_name("slurm", "10")
     first.write_text("a\nb\n")
     second.write_text("c\n")
     os.utime(first, (1, 1))  # the earlier allocation's log stopped changing earlier
@@ -97,16 +98,16 @@ def test_logs_are_stitched_across_allocations(tmp_path):
 def test_the_entrypoint_runs_the_command_in_the_job_dir(tmp_path):
     show = 'echo "$PWD|$LOOPLINE_JOB_DIR|$PYTHONPATH|$1"'
     jobdir.write_entrypoint(tmp_path, ["sh", "-c", show, "x", "it's"], user_code=True)
-    out = subprocess.run([str(tmp_path / "entrypoint.sh")], stdout=subprocess.PIPE, text=True,
+    out = subprocess.run([str(tmp_path / ENTRYPOINT_FILE)], stdout=subprocess.PIPE, text=True,
                          env={"PATH": os.environ["PATH"]}, cwd="/", check=True).stdout
-    assert out.strip() == f"{tmp_path}|{tmp_path}|{tmp_path}/ml|it's"
+    assert out.strip() == f"{tmp_path}|{tmp_path}|{tmp_path}/{CODE_DIR}|it's"
     jobdir.write_entrypoint(tmp_path, ["srun", "--ntasks=2", "python", "-m", "x"], user_code=False)
-    text = (tmp_path / "entrypoint.sh").read_text()
+    text = (tmp_path / ENTRYPOINT_FILE).read_text()
     assert "PYTHONPATH" not in text and "MASTER_ADDR" in text and "exec srun --ntasks=2" in text
 
 
 def test_status_is_marked_queued_before_a_restart(tmp_path):
-    (tmp_path / "status.json").write_text('{"status": "FAILED", "error": "boom", "step": 7}')
+    (tmp_path / STATUS_FILE).write_text('{"status": "FAILED", "error": "boom", "step": 7}')
     jobdir.mark_requeued(tmp_path)
     status = jobdir.read_status(tmp_path)
     assert (status["status"], status["error"], status["step"]) == ("QUEUED", None, 7)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from loopline.common.job_layout import ENTRYPOINT_FILE
+from loopline.trainer import jobdir
 from loopline.trainer.launchers import LaunchSpec, LaunchState, make_launchers
 from loopline.trainer.launchers.local import LocalLauncher
 from loopline.trainer.launchers.slurm import SlurmLauncher, gpus_in_gres, parse_state, time_limit_minutes
@@ -42,8 +44,8 @@ def test_auto_takes_slurm_only_where_a_controller_answers(slurm, monkeypatch, tm
 def job_dir(tmp_path: Path, script: str) -> Path:
     d = tmp_path / "job"
     d.mkdir(parents=True)
-    (d / "entrypoint.sh").write_text(f"#!/usr/bin/env bash\n{script}\n")
-    (d / "entrypoint.sh").chmod(0o755)
+    (d / ENTRYPOINT_FILE).write_text(f"#!/usr/bin/env bash\n{script}\n")
+    (d / ENTRYPOINT_FILE).chmod(0o755)
     return d
 
 
@@ -77,7 +79,7 @@ def test_slurm_runs_finds_and_cancels_jobs(slurm_launcher, tmp_path):
     slurm_launcher.cancel(run_id)
     assert wait_for(slurm_launcher, run_id, lambda s: s.ended) is LaunchState.CANCELLED
     slurm_launcher.cancel(run_id)  # ended already: not an error
-    assert (d / f"slurm-{run_id}.out").read_text().startswith(f"hello from {run_id}")
+    assert (d / jobdir.log_name("slurm", run_id)).read_text().startswith(f"hello from {run_id}")
     # A job the controller never had (or purged) is GONE; sacct does not answer here.
     assert slurm_launcher.states([run_id, "999999"]) == {run_id: LaunchState.CANCELLED,
                                                          "999999": LaunchState.GONE}
@@ -101,7 +103,7 @@ def test_local_runs_survive_their_launcher(tmp_path):
     second = LocalLauncher(runs)
     assert second.find("hash-one") == run_id and second.state(run_id) is LaunchState.RUNNING
     assert run_id in second.queue_text()
-    log = d / f"local-{run_id}.out"
+    log = d / jobdir.log_name("local", run_id)
     while "started" not in log.read_text():  # its TERM trap is set
         time.sleep(0.05)
     second.cancel(run_id)

@@ -11,6 +11,7 @@ import sqlalchemy as sa
 
 from loopline.common.db.engine import open_database, migrate
 from loopline.common.job_schemas import JobStatus
+from loopline.common.train_params import TrainParams, canonical
 from loopline.trainer.errors import InvalidRequest, JobNotFound
 from loopline.trainer.registry import Job, Registry
 
@@ -38,7 +39,7 @@ def registry(request, tmp_path):
 
 def job(job_hash: str, created_at: float, **changes) -> Job:
     base = Job(
-        job_hash=job_hash, status=JobStatus.QUEUED, params={"max_steps": 3, "lora_config": {"r": 8}},
+        job_hash=job_hash, status=JobStatus.QUEUED, params=TrainParams(max_steps=3, lora_config={"r": 8}),
         llm_name="tiny", model_path="/models/tiny", adapter_type="lora", job_dir=Path(f"/jobs/{job_hash}"),
         dataset_sha256="d" * 64, code_sha256=None, launcher="slurm", slurm_job_id=None, attempts=0,
         retries=0, step_at_submit=0, created_at=created_at, submitted_at=None, started_at=None,
@@ -53,7 +54,7 @@ def test_jobs_are_named_by_hash_prefix_or_latest(registry):
     registry.insert(job("ef4", 0.5, status=JobStatus.CANCELLED, events_done=True))
     assert registry.resolve("cd").job_hash == "cd3"
     assert registry.resolve("latest").job_hash == "cd3"
-    assert registry.resolve("ab_1").params == {"max_steps": 3, "lora_config": {"r": 8}}
+    assert canonical(registry.resolve("ab_1").params) == {"max_steps": 3, "lora_config": {"r": 8}}
     # '_' and '%' are plain characters in a prefix, not SQL wildcards.
     assert registry.resolve("ab_").job_hash == "ab_1"
     assert registry.resolve("ab%").job_hash == "ab%2"

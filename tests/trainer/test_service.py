@@ -15,6 +15,8 @@ import pytest
 
 from loopline.common import launcher as processes
 from loopline.common import subjects
+from loopline.common.job_layout import (CHECKPOINTS_DIR, DATASET_FILE, ENTRYPOINT_FILE, EVENTS_FILE,
+                                        checkpoint_name)
 from loopline.common.job_schemas import ClusterInfo, JobList, JobSubmit, LogLines, SqueueReply
 
 from support.trainer import DATASET, Refused
@@ -25,17 +27,17 @@ async def test_a_job_runs_and_its_events_arrive_in_order(launcher_kind, start_tr
     params = {"max_steps": 4, "steps_per_checkpoint": 2, "adapter_type": "lora"}
     info = await client.submit(params)
     assert info.status.value == "QUEUED"
-    assert info.llm_name == "tiny" and info.params["llm_name"] == "tiny"
+    assert info.llm_name == "tiny" and info.params.llm_name == "tiny"
     assert info.slurm_job_id
     job_dir = jobs_dir / info.job_hash
-    assert (job_dir / "dataset.jsonlines").read_bytes().startswith(b'{"input": "What is 2+2?"')
+    assert (job_dir / DATASET_FILE).read_bytes().startswith(b'{"input": "What is 2+2?"')
 
     events = await client.events(info.job_hash, until="completed")
     kinds = [e.kind for e in events]
     assert kinds == ["queued", "started", "progress", "progress", "checkpoint", "progress", "progress",
                      "checkpoint", "completed"], kinds
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
-    assert events[-2].checkpoint.path == "checkpoints/step-00000004"
+    assert events[-2].checkpoint.path == f"{CHECKPOINTS_DIR}/{checkpoint_name(4)}"
     assert events[2].loss == pytest.approx(0.5) and events[2].status.value == "TRAINING"
 
     done = await client.wait_status(info.job_hash, "COMPLETED")
@@ -140,14 +142,14 @@ async def test_a_restarted_trainer_neither_repeats_nor_misses_events(launcher_ki
     processes.kill(first)  # no goodbye: kill -9 in the middle of whatever it was doing
     # The run goes on without a trainer; its events wait in events.jsonl.
     job_dir = jobs_dir / info.job_hash
-    lines_then = (job_dir / "events.jsonl").read_text().count("\n")
+    lines_then = (job_dir / EVENTS_FILE).read_text().count("\n")
     await asyncio.sleep(1.0)
-    assert (job_dir / "events.jsonl").read_text().count("\n") > lines_then
+    assert (job_dir / EVENTS_FILE).read_text().count("\n") > lines_then
 
     await start_trainer(launcher_kind)
     await client.wait_status(info.job_hash, "COMPLETED", timeout_s=90)
     events = await client.events(info.job_hash)
-    lines = (job_dir / "events.jsonl").read_text().splitlines()
+    lines = (job_dir / EVENTS_FILE).read_text().splitlines()
     assert [e.seq for e in events] == list(range(1, len(lines) + 1))
     assert [e.kind for e in events] == [json.loads(line)["kind"] for line in lines]
     assert (job_dir / "runs.txt").read_text().count("start") == 1  # the run was never disturbed
@@ -197,21 +199,23 @@ async def test_requests_that_are_refused(start_trainer, client, jobs_dir):
             await client.submit(params)
         assert caught.value.code == "422", params
     dataset = await client.put(DATASET)
-    bad_hash = JobSubmit(job_hash="../../etc", params={}, dataset_sha256=dataset, dataset_bytes=1, examples=1)
+    first, second = "abc1" + "0" * 60, "abc2" + "0" * 60
+    bad_hash = {"job_hash": "../../etc", "params": {}, "dataset_sha256": dataset, "dataset_bytes": 1,
+                "examples": 1}
     assert await refused(subjects.SVC_TRAINER_SUBMIT, bad_hash) == "422"
-    missing = JobSubmit(job_hash="abc1", params={}, dataset_sha256="0" * 64, dataset_bytes=1, examples=1)
+    missing = JobSubmit(job_hash=first, params={}, dataset_sha256="0" * 64, dataset_bytes=1, examples=1)
     assert await refused(subjects.SVC_TRAINER_SUBMIT, missing) == "422"
-    assert not (jobs_dir / "abc1").exists()
+    assert not (jobs_dir / first).exists()
 
     # A prefix names a job only when it names one.
-    for job_hash in ("abc1", "abc2"):
+    for job_hash in (first, second):
         await client.call(subjects.SVC_TRAINER_SUBMIT, JobSubmit(
             job_hash=job_hash, params={"max_steps": 1}, dataset_sha256=dataset, dataset_bytes=1, examples=1))
-    assert (await client.get("abc2")).job_hash == "abc2"
+    assert (await client.get("abc2")).job_hash == second
     assert await refused(subjects.SVC_TRAINER_GET, {"job": "abc"}) == "422"
-    assert (await client.get("latest")).job_hash == "abc2"
+    assert (await client.get("latest")).job_hash == second
     listed = JobList.model_validate(await client.call(subjects.SVC_TRAINER_LIST))
-    assert [j.job_hash for j in listed.jobs] == ["abc2", "abc1"]  # newest first
+    assert [j.job_hash for j in listed.jobs] == [second, first]  # newest first
 
 
 def code_tar(files: dict[str, bytes], links: dict[str, str] | None = None) -> bytes:
@@ -253,7 +257,7 @@ async def test_user_code_is_refused_unless_allowed_and_unsafe_archives_always(st
     info = await client.submit({"max_steps": 2}, code=good)
     job_dir = jobs_dir / info.job_hash
     assert (job_dir / "ml" / "loopline_user" / "__init__.py").read_bytes() == b"VALUE = 42\n"
-    assert f"export PYTHONPATH={job_dir}/ml" in (job_dir / "entrypoint.sh").read_text()
+    assert f"export PYTHONPATH={job_dir}/ml" in (job_dir / ENTRYPOINT_FILE).read_text()
     done = await client.wait_status(info.job_hash, "COMPLETED")
     assert done.code_sha256 == info.code_sha256
 
@@ -275,7 +279,7 @@ async def test_tensor_parallel_runs_one_task_per_rank_under_srun(slurm, start_tr
     await start_trainer("slurm")
     info = await client.submit({"max_steps": 3, "tensor_parallel": 2})
     job_dir = jobs_dir / info.job_hash
-    assert "exec srun --ntasks=2 --kill-on-bad-exit=1" in (job_dir / "entrypoint.sh").read_text()
+    assert "exec srun --ntasks=2 --kill-on-bad-exit=1" in (job_dir / ENTRYPOINT_FILE).read_text()
     await client.wait_status(info.job_hash, "COMPLETED")
     runs = sorted((job_dir / "runs.txt").read_text().splitlines())
     assert runs == ["start 0 rank 0/2", "start 0 rank 1/2"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import shlex
 import sys
 import time
@@ -20,8 +19,10 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError, ObjectNotFoundError
 
 from loopline.common import bus, subjects
+from loopline.common.job_layout import DATASET_FILE
 from loopline.common.job_schemas import JobStatus, JobSubmit
 from loopline.common.settings import TrainerSettings
+from loopline.common.train_params import JobConfig, TrainParams
 from loopline.trainer import jobdir
 from loopline.trainer.errors import CodeRefused, InvalidRequest, TrainerError, Unavailable, WrongState
 from loopline.trainer.events import EventPublisher
@@ -31,10 +32,6 @@ from loopline.trainer.registry import Job, Registry
 
 log = logging.getLogger(__name__)
 
-# A hash names a directory and a subject token: nothing that could be a separator or a path.
-_HASH = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
-ADAPTER_TYPES = ("tokenformer", "lora", "none")
-MAX_RANKS = 1024
 # How long a cancel/delete/restart waits for a run it stopped to end (its SIGTERM checkpoint).
 STOP_WAIT_S = 20.0
 
@@ -66,8 +63,8 @@ class JobControl:
 
     # --- submit ---------------------------------------------------------------------------------
     async def submit(self, request: JobSubmit) -> Job:
-        """Create, stage and launch the job; an existing hash returns the existing job as it is."""
-        _check_submit(request)
+        """Create, stage and launch the job; an existing hash returns the existing job as it is.
+        The request was validated as it was parsed (JobSubmit: the hash formats, TrainParams)."""
         job_hash = request.job_hash
         async with self.lock(job_hash):
             existing = await asyncio.to_thread(self.registry.get, job_hash)
@@ -77,35 +74,36 @@ class JobControl:
                 raise CodeRefused(
                     "this job ships its own ml/ code, and this server does not run user code "
                     "(LOOPLINE_ALLOW_USER_CODE=true enables it for trusted users)")
-            llm_name = str(request.params.get("llm_name") or self.settings.model)
-            params = {**request.params, "llm_name": llm_name}
+            llm_name = request.params.llm_name or self.settings.model
+            params = request.params.model_copy(update={"llm_name": llm_name})
             model_path = resolve_model_path(llm_name, self.settings.models_dir)
             job_dir = self.jobs_dir / job_hash
             await self._stage(request, job_dir, model_path, params)
             now = time.time()
             job = Job(
                 job_hash=job_hash, status=JobStatus.QUEUED, params=params, llm_name=llm_name,
-                model_path=model_path, adapter_type=_adapter_type(params), job_dir=job_dir,
+                model_path=model_path, adapter_type=params.adapter_type, job_dir=job_dir,
                 dataset_sha256=request.dataset_sha256, code_sha256=request.code_sha256,
                 launcher=self.launcher.name, slurm_job_id=None, attempts=0, retries=0, step_at_submit=0,
                 created_at=now, submitted_at=None, started_at=None, finished_at=None, step=0,
-                max_steps=int(params.get("max_steps") or 0), loss=None, error=None,
+                max_steps=params.max_steps, loss=None, error=None,
                 events_seq=0, events_offset=0,
             )
             job = await asyncio.to_thread(self.registry.insert, job)
             job = await self.launch(job)
             return await self._publish(job)
 
-    async def _stage(self, request: JobSubmit, job_dir: Path, model_path: str, params: dict) -> None:
+    async def _stage(self, request: JobSubmit, job_dir: Path, model_path: str, params: TrainParams) -> None:
         staging = await asyncio.to_thread(jobdir.staging_dir, self.jobs_dir, request.job_hash)
         try:
-            await self._fetch(request.dataset_sha256, staging / jobdir.DATASET, "dataset")
+            await self._fetch(request.dataset_sha256, staging / DATASET_FILE, "dataset")
             if request.code_sha256:
                 tar = staging / ".code.tar"
                 await self._fetch(request.code_sha256, tar, "code archive")
                 await asyncio.to_thread(jobdir.extract_code, tar, staging, self.settings.max_code_bytes)
                 tar.unlink()
-            await asyncio.to_thread(jobdir.write_config, staging, request.job_hash, model_path, params)
+            config = JobConfig(job_hash=request.job_hash, model_path=model_path, params=params)
+            await asyncio.to_thread(jobdir.write_config, staging, config)
             # The first event is in the job's event log before the job exists: it is published
             # from there like every other, so a crash cannot lose it.
             await asyncio.to_thread(jobdir.append_event, staging, "queued", status=JobStatus.QUEUED.value)
@@ -145,7 +143,7 @@ class JobControl:
         argv = launcher.rank_command(job.ranks, self.train_argv(job))
         await asyncio.to_thread(jobdir.write_entrypoint, job.job_dir, argv,
                                 user_code=job.code_sha256 is not None)
-        timeout = job.params.get("timeout") or self.settings.max_train_time_s
+        timeout = job.params.timeout or self.settings.max_train_time_s
         spec = LaunchSpec(job.job_hash, job.job_dir, job.ranks,
                           time_limit_s=int(min(float(timeout), self.settings.max_train_time_s)))
         try:
@@ -275,40 +273,3 @@ class JobControl:
             if time.monotonic() > deadline:
                 return False
             await asyncio.sleep(0.2)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _adapter_type(params: dict) -> str:
-    return str(params.get("adapter_type") or "tokenformer").lower()
-
-
-def _check_submit(request: JobSubmit) -> None:
-    """Refuse (422) what the trainer itself cannot use; the training program checks the rest."""
-    if not _HASH.match(request.job_hash):
-        raise InvalidRequest(f"job_hash {request.job_hash!r} must be 1-128 letters, digits, '-' or '_'")
-    for name in (request.dataset_sha256, request.code_sha256):
-        if name is not None and not _HASH.match(name):
-            raise InvalidRequest(f"object name {name!r} is not a content hash")
-    params = request.params
-    ranks = params.get("tensor_parallel", 1)
-    if ranks is not None and not (_is_int(ranks) and 1 <= ranks <= MAX_RANKS):
-        raise InvalidRequest(f"tensor_parallel must be an integer from 1 to {MAX_RANKS}, not {ranks!r}")
-    timeout = params.get("timeout")
-    if timeout is not None and not (_is_number(timeout) and timeout > 0):
-        raise InvalidRequest(f"timeout must be a positive number of seconds, not {timeout!r}")
-    llm_name = params.get("llm_name")
-    if llm_name is not None and not isinstance(llm_name, str):
-        raise InvalidRequest(f"llm_name must be a string, not {llm_name!r}")
-    if _adapter_type(params) not in ADAPTER_TYPES:
-        raise InvalidRequest(f"adapter_type must be one of {', '.join(ADAPTER_TYPES)}, "
-                             f"not {params.get('adapter_type')!r}")
-    max_steps = params.get("max_steps")
-    if max_steps is not None and not (_is_int(max_steps) and max_steps >= 1):
-        raise InvalidRequest(f"max_steps must be a positive integer, not {max_steps!r}")

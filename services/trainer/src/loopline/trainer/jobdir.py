@@ -1,17 +1,9 @@
 """The job directory: what the trainer writes for a job to run, and reads back while it runs.
 
-    <jobs_dir>/<hash>/
-        config.json          {"job_hash", "model_path", "params"}          (trainer)
-        dataset.jsonlines    the training data, from the datasets store    (trainer)
-        ml/                  the job's own code, only when allowed         (trainer)
-        entrypoint.sh        what sbatch (or the local launcher) runs      (trainer)
-        status.json          status, step, loss history                    (training program)
-        events.jsonl         one event per line, appended                  (both, O_APPEND)
-        checkpoints/step-%08d/                                             (training program)
-        slurm-<id>.out | local-<id>.out   one log per allocation           (launcher)
-
-A new job's directory is staged under a temporary name and renamed into place, so a directory under
-its hash is always complete. Nothing here talks to NATS or SQL.
+The layout and its names are loopline.common.job_layout's; the trainer adds one log per allocation,
+``slurm-<id>.out`` or ``local-<id>.out`` (written by the launcher). A new job's directory is staged
+under a temporary name and renamed into place, so a directory under its hash is always complete.
+Nothing here talks to NATS or SQL.
 """
 
 from __future__ import annotations
@@ -28,18 +20,18 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from loopline.common.job_layout import (CHECKPOINTS_DIR, CODE_DIR, CONFIG_FILE, ENTRYPOINT_FILE, EVENTS_FILE,
+                                        STATUS_FILE, checkpoint_step)
+from loopline.common.train_params import JobConfig
 from loopline.trainer.errors import InvalidRequest
 
-CONFIG = "config.json"
-DATASET = "dataset.jsonlines"
-CODE_DIR = "ml"
-ENTRYPOINT = "entrypoint.sh"
-STATUS = "status.json"
-EVENTS = "events.jsonl"
-CHECKPOINTS = "checkpoints"
 MAX_CODE_MEMBERS = 10_000
-_CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 _LOG_NAME = re.compile(r"^(slurm|local)-(.+)\.out$")
+
+
+def log_name(launcher: str, run_id: str) -> str:
+    """The log of one allocation in the job directory; Slurm's is named with ``%j`` for its id."""
+    return f"{launcher}-{run_id}.out"
 
 
 # --- writing a new job -----------------------------------------------------------------------------
@@ -63,9 +55,8 @@ def install(staging: Path, final: Path) -> None:
     os.replace(staging, final)
 
 
-def write_config(job_dir: Path, job_hash: str, model_path: str, params: dict[str, Any]) -> None:
-    config = {"job_hash": job_hash, "model_path": model_path, "params": params}
-    _write_atomic(job_dir / CONFIG, json.dumps(config, indent=1, sort_keys=True) + "\n")
+def write_config(job_dir: Path, config: JobConfig) -> None:
+    _write_atomic(job_dir / CONFIG_FILE, config.to_json())
 
 
 def write_entrypoint(job_dir: Path, argv: list[str], *, user_code: bool) -> None:
@@ -87,7 +78,7 @@ def write_entrypoint(job_dir: Path, argv: list[str], *, user_code: bool) -> None
         lines.append('export MASTER_PORT="$((20000 + SLURM_JOB_ID % 20000))"')
     # exec: the program is the batch shell, so Slurm's B:TERM reaches it directly.
     lines.append("exec " + " ".join(shlex.quote(a) for a in argv))
-    path = job_dir / ENTRYPOINT
+    path = job_dir / ENTRYPOINT_FILE
     _write_atomic(path, "\n".join(lines) + "\n")
     path.chmod(0o755)
 
@@ -130,7 +121,7 @@ def _check_code_member(member: tarfile.TarInfo) -> None:
 # --- reading what the program writes ---------------------------------------------------------------
 def read_status(job_dir: Path) -> dict[str, Any] | None:
     try:
-        status = json.loads((job_dir / STATUS).read_text())
+        status = json.loads((job_dir / STATUS_FILE).read_text())
     except (OSError, ValueError):
         return None
     return status if isinstance(status, dict) else None
@@ -143,7 +134,7 @@ def mark_requeued(job_dir: Path) -> None:
     if status is None:
         return
     status.update(status="QUEUED", error=None, updated_at=time.time())
-    _write_atomic(job_dir / STATUS, json.dumps(status, indent=1) + "\n")
+    _write_atomic(job_dir / STATUS_FILE, json.dumps(status, indent=1) + "\n")
 
 
 def read_events(job_dir: Path, offset: int, max_lines: int,
@@ -151,7 +142,7 @@ def read_events(job_dir: Path, offset: int, max_lines: int,
     """Complete lines of events.jsonl from byte ``offset`` (a line still being written is left for
     next time), none ending past ``until``; and the offset just after the last one returned."""
     try:
-        with open(job_dir / EVENTS, "rb") as f:
+        with open(job_dir / EVENTS_FILE, "rb") as f:
             f.seek(offset)
             lines = []
             while len(lines) < max_lines:
@@ -168,7 +159,7 @@ def read_events(job_dir: Path, offset: int, max_lines: int,
 def find_event(job_dir: Path, offset: int, kind: str) -> int | None:
     """The offset just after the first complete line of this kind from ``offset``, if any."""
     try:
-        with open(job_dir / EVENTS, "rb") as f:
+        with open(job_dir / EVENTS_FILE, "rb") as f:
             f.seek(offset)
             for line in f:
                 if not line.endswith(b"\n"):
@@ -188,7 +179,7 @@ def events_end(job_dir: Path) -> tuple[int, int]:
     """(complete lines, byte offset after them) of the whole events.jsonl."""
     count = offset = 0
     try:
-        with open(job_dir / EVENTS, "rb") as f:
+        with open(job_dir / EVENTS_FILE, "rb") as f:
             for line in f:
                 if not line.endswith(b"\n"):
                     break
@@ -204,7 +195,7 @@ def append_event(job_dir: Path, kind: str, **fields: Any) -> int:
     the offset just after it. One write() with O_APPEND: it cannot interleave with a line the program
     appends at the same time."""
     line = (json.dumps({"kind": kind, "time": time.time(), **fields}) + "\n").encode()
-    fd = os.open(job_dir / EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(job_dir / EVENTS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line)
         return os.lseek(fd, 0, os.SEEK_CUR)  # O_APPEND wrote at the end: this is our line's end
@@ -217,13 +208,13 @@ def checkpoints(job_dir: Path) -> list[tuple[int, str, float]]:
     The program renames a checkpoint into place when complete, so a matching name is complete."""
     found = []
     try:
-        entries = list((job_dir / CHECKPOINTS).iterdir())
+        entries = list((job_dir / CHECKPOINTS_DIR).iterdir())
     except OSError:
         return []
     for entry in entries:
-        match = _CHECKPOINT_NAME.match(entry.name)
-        if match and entry.is_dir():
-            found.append((int(match.group(1)), f"{CHECKPOINTS}/{entry.name}", entry.stat().st_mtime))
+        step = checkpoint_step(entry.name)
+        if step is not None and entry.is_dir():
+            found.append((step, f"{CHECKPOINTS_DIR}/{entry.name}", entry.stat().st_mtime))
     return sorted(found)
 
 

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from loopline.common.db.rows import JobRow
 from loopline.common.job_schemas import JobStatus
+from loopline.common.train_params import TrainParams, canonical
 from loopline.trainer.errors import InvalidRequest, JobNotFound
 
 LATEST = "latest"
@@ -27,7 +28,7 @@ LATEST = "latest"
 class Job:
     job_hash: str
     status: JobStatus
-    params: dict[str, Any]
+    params: TrainParams  # as submitted (llm_name filled in); SQL keeps their canonical form
     llm_name: str
     model_path: str
     adapter_type: str
@@ -53,7 +54,7 @@ class Job:
 
     @property
     def ranks(self) -> int:
-        return int(self.params.get("tensor_parallel") or 1)
+        return self.params.tensor_parallel or 1
 
     @property
     def msg_id_prefix(self) -> str:
@@ -67,13 +68,14 @@ class Job:
         values = {f.name: getattr(row, f.name) for f in dataclasses.fields(cls)}
         values["status"] = JobStatus(row.status)
         values["job_dir"] = Path(row.job_dir)
-        values["params"] = dict(row.params or {})
+        values["params"] = TrainParams.model_validate(row.params or {})
         return cls(**values)
 
     def to_row(self) -> JobRow:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values["status"] = self.status.value
         values["job_dir"] = str(self.job_dir)
+        values["params"] = canonical(self.params)
         return JobRow(**values)
 
 
@@ -136,6 +138,8 @@ class Registry:
             columns["status"] = new.status.value
         if "job_dir" in columns:
             columns["job_dir"] = str(new.job_dir)
+        if "params" in columns:
+            columns["params"] = canonical(new.params)
         with Session(self.engine) as s, s.begin():
             s.execute(sa.update(JobRow).where(JobRow.job_hash == job.job_hash).values(**columns))
         return new

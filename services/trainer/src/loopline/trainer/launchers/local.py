@@ -19,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+from loopline.common.job_layout import ENTRYPOINT_FILE
+from loopline.trainer import jobdir
 from loopline.trainer.launchers import LaunchSpec, LaunchState, LauncherError
 
 # After a cancel, the run has this long to checkpoint before its processes are killed (Slurm's
@@ -89,18 +91,18 @@ class LocalLauncher:
         with self._lock:
             run_id = f"L{time.time_ns() // 1000}"
             time.sleep(1e-6)  # the next id differs even on a coarse clock
-        log_path = spec.job_dir / f"local-{run_id}.out"
+        log_path = spec.job_dir / jobdir.log_name(self.name, run_id)
         env = {**os.environ, "EXIT_FILE": str(self.runs_dir / f"{run_id}.exit"),
                "LOOPLINE_RUN_ID": run_id}
         try:
             with open(log_path, "ab", buffering=0) as log:
                 child = subprocess.Popen(
-                    ["bash", "-c", _WRAPPER, "loopline-job", "bash", str(spec.job_dir / "entrypoint.sh")],
+                    ["bash", "-c", _WRAPPER, "loopline-job", "bash", str(spec.job_dir / ENTRYPOINT_FILE)],
                     cwd=spec.job_dir, env=env, stdin=subprocess.DEVNULL, stdout=log,
                     stderr=subprocess.STDOUT, start_new_session=True,
                 )
         except OSError as exc:
-            raise LauncherError(f"could not start {spec.job_dir}/entrypoint.sh: {exc}") from exc
+            raise LauncherError(f"could not start {spec.job_dir / ENTRYPOINT_FILE}: {exc}") from exc
         start = _proc_start(child.pid) or ""
         record = {"pid": child.pid, "start": start, "job_hash": spec.job_hash,
                   "job_dir": str(spec.job_dir), "log": log_path.name, "submitted_at": time.time()}

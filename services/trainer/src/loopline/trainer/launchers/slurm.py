@@ -12,6 +12,8 @@ import re
 import shlex
 import subprocess
 
+from loopline.common.job_layout import ENTRYPOINT_FILE
+from loopline.trainer import jobdir
 from loopline.trainer.launchers import LaunchSpec, LaunchState, LauncherError
 
 COMMAND_TIMEOUT_S = 30
@@ -98,7 +100,7 @@ class SlurmLauncher:
             f"--job-name={spec.job_hash}",
             f"--chdir={spec.job_dir}",
             # One output file per allocation; the trainer's logs endpoint stitches them in order.
-            f"--output={spec.job_dir}/slurm-%j.out",
+            f"--output={spec.job_dir / jobdir.log_name(self.name, '%j')}",
             "--open-mode=append",
             # B: signal the batch shell only, which is the exec'd program (or srun, which passes
             # it on to the ranks), not every process of the job.
@@ -112,7 +114,7 @@ class SlurmLauncher:
             argv.append(f"--partition={self.partition}")
         if self._cluster_gpus() > 0:
             argv.append("--gpus-per-task=1")
-        argv += [*self.extra_args, str(spec.job_dir / "entrypoint.sh")]
+        argv += [*self.extra_args, str(spec.job_dir / ENTRYPOINT_FILE)]
         out = self._run(*argv)
         # --parsable prints "id" or "id;cluster".
         run_id = out.stdout.strip().split(";", 1)[0]
