@@ -249,9 +249,10 @@ def run_baseline(s: Setup, repeat: int) -> Run:
 
 def run_ours(s: Setup, repeat: int, adapter_type: str, scratch: Path) -> Run:
     """The training program's own loop: ``run_job`` on a job directory, timed from its events."""
-    from loopline.ml.train.config import load_job_config
+    from loopline.common.job_layout import DATASET_FILE, EVENTS_FILE
+    from loopline.common.train_params import JobConfig
     from loopline.ml.train.loop import run_job
-    from loopline.ml.train.status import EVENTS_NAME, JobReporter
+    from loopline.ml.train.status import JobReporter
 
     run = Run(OURS_LORA if adapter_type == "lora" else OURS_TF, repeat)
     job_dir = Path(tempfile.mkdtemp(prefix=f"train-{adapter_type}-", dir=scratch))
@@ -266,9 +267,8 @@ def run_ours(s: Setup, repeat: int, adapter_type: str, scratch: Path) -> Run:
                         "target_modules": s.lora_targets},
         "tokenformer_config": {"num_tokens": s.rank},  # default targets: the 7 projections
     }
-    (job_dir / "config.json").write_text(json.dumps(
-        {"job_hash": f"bench-{adapter_type}-{repeat}", "model_path": s.model_path, "params": params}))
-    with open(job_dir / "dataset.jsonlines", "w", encoding="utf-8") as f:
+    config = JobConfig(job_hash=f"bench-{adapter_type}-{repeat}", model_path=s.model_path, params=params)
+    with open(job_dir / DATASET_FILE, "w", encoding="utf-8") as f:
         for pair in s.pairs:
             f.write(json.dumps(pair) + "\n")
 
@@ -287,13 +287,13 @@ def run_ours(s: Setup, repeat: int, adapter_type: str, scratch: Path) -> Run:
     wall0 = time.time()  # the events' clock
     reporter = Reporter(job_dir)
     try:
-        rc = run_job(job_dir, load_job_config(job_dir), reporter, lambda: False)
+        rc = run_job(job_dir, config, reporter, lambda: False)
     finally:
         reporter.close()
     if rc != 0:
         raise RuntimeError(f"run_job exited {rc}; see {job_dir}")
 
-    events = [json.loads(line) for line in (job_dir / EVENTS_NAME).read_text().splitlines()]
+    events = [json.loads(line) for line in (job_dir / EVENTS_FILE).read_text().splitlines()]
     progress = [e for e in events if e["kind"] == "progress"]
     started = next(e for e in events if e["kind"] == "started")
     run.trainable_parameters = started["trainable_parameters"]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from loopline.common.job_layout import CONFIG_FILE, DATASET_FILE, EVENTS_FILE, STATUS_FILE
 from support.stacks import tiny_model
 
 PAIRS = [
@@ -37,8 +38,8 @@ class TrainJobs:
         job_dir = self.root / name
         job_dir.mkdir(parents=True, exist_ok=True)
         config = {"job_hash": f"test-{name}", "model_path": model or self.model, "params": params}
-        (job_dir / "config.json").write_text(json.dumps(config))
-        (job_dir / "dataset.jsonlines").write_text(
+        (job_dir / CONFIG_FILE).write_text(json.dumps(config))
+        (job_dir / DATASET_FILE).write_text(
             "".join(json.dumps({"input": q, "output": a}) + "\n" for q, a in pairs))
         return job_dir
 
@@ -51,11 +52,11 @@ class TrainJobs:
 
     @staticmethod
     def status(job_dir: Path) -> dict:
-        return json.loads((job_dir / "status.json").read_text())
+        return json.loads((job_dir / STATUS_FILE).read_text())
 
     @staticmethod
     def events(job_dir: Path) -> list[dict]:
-        return [json.loads(line) for line in (job_dir / "events.jsonl").read_text().splitlines()]
+        return [json.loads(line) for line in (job_dir / EVENTS_FILE).read_text().splitlines()]
 
 
 @pytest.fixture(scope="session")

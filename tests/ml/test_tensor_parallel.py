@@ -19,6 +19,9 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (the ml package's megatron extra)")
 
+from loopline.common.adapter_format import WEIGHTS_FILE  # noqa: E402
+from loopline.common.job_layout import (CHECKPOINTS_DIR, CONFIG_FILE, DATASET_FILE, EVENTS_FILE,  # noqa: E402
+                                        STATUS_FILE, checkpoint_name)
 from loopline.common.launcher import free_port  # noqa: E402
 from loopline.ml.parallel.distributed import first_slurm_host, launch_from_env, slurm_port  # noqa: E402
 from loopline.ml.parallel.sharding import Shard, to_full, to_local  # noqa: E402
@@ -32,15 +35,15 @@ PAIRS = [
 # at 1.0 is active in most steps (grad norms of 1-20), so the cross-rank norm is exercised too.
 PARAMS = {"max_steps": 20, "learning_rate": 3e-3, "seed": 0, "batch_size": 2,
           "gradient_accumulation_steps": 2, "gradient_clip_value": 1.0, "steps_per_checkpoint": 10}
-FINAL = "checkpoints/step-00000020"
+FINAL = f"{CHECKPOINTS_DIR}/{checkpoint_name(20)}"
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def write_job(job_dir: Path, model: str, tp: int) -> Path:
     job_dir.mkdir(parents=True)
     config = {"job_hash": f"tp{tp}", "model_path": model, "params": {**PARAMS, "tensor_parallel": tp}}
-    (job_dir / "config.json").write_text(json.dumps(config))
-    (job_dir / "dataset.jsonlines").write_text("".join(json.dumps({"input": q, "output": a}) + "\n" for q, a in PAIRS))
+    (job_dir / CONFIG_FILE).write_text(json.dumps(config))
+    (job_dir / DATASET_FILE).write_text("".join(json.dumps({"input": q, "output": a}) + "\n" for q, a in PAIRS))
     return job_dir
 
 
@@ -84,7 +87,7 @@ def runs(tmp_path_factory, tiny_path) -> dict[int, Path]:
 
 
 def status(job_dir: Path) -> dict:
-    return json.loads((job_dir / "status.json").read_text())
+    return json.loads((job_dir / STATUS_FILE).read_text())
 
 
 def hf_model(tiny_path: str, checkpoint: Path | None = None):
@@ -136,7 +139,7 @@ def test_tp2_losses_equal_tp1(runs):
     losses = [p["loss"] for p in two["history"]]
     assert losses[-1] < 0.1 * losses[0]
 
-    events = [json.loads(line) for line in (runs[2] / "events.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (runs[2] / EVENTS_FILE).read_text().splitlines()]
     kinds = [e["kind"] for e in events]
     assert kinds[0] == "started" and kinds[-1] == "completed" and kinds.count("progress") == 20
     progress = [e for e in events if e["kind"] == "progress"]
@@ -151,11 +154,12 @@ def test_tp2_checkpoint_loads_into_transformers_and_matches_tp1(runs, tiny_path)
     ckpt = {tp: runs[tp] / FINAL for tp in (1, 2)}
     config = read_adapter_config(ckpt[2])
     assert config["adapter_type"] == "none" and config["base_model"] == tiny_path
-    assert sorted(p.name for p in (runs[2] / "checkpoints").iterdir()) == ["step-00000010", "step-00000020"]
+    kept = sorted(p.name for p in (runs[2] / CHECKPOINTS_DIR).iterdir())
+    assert kept == [checkpoint_name(10), checkpoint_name(20)]
 
     # Full HF names and shapes: every parameter but the tied LM head, in transformers' own shapes.
     base = hf_model(tiny_path)
-    one, two = (load_file(str(ckpt[tp] / "adapter_model.safetensors")) for tp in (1, 2))
+    one, two = (load_file(str(ckpt[tp] / WEIGHTS_FILE)) for tp in (1, 2))
     assert {k: v.shape for k, v in two.items()} == {k: v.shape for k, v in base.named_parameters()}
     moved = max(float((two[k] - p.detach()).abs().max()) for k, p in base.named_parameters())
     assert moved > 1e-2  # training changed the weights
@@ -194,7 +198,7 @@ def test_wrong_rank_count_fails_the_job(tmp_path, tiny_path):
     assert proc.returncode == 1, out[-3000:]
     result = status(job)
     assert result["status"] == "FAILED" and "tensor_parallel=2 but 1 ranks" in result["error"]
-    events = [json.loads(line) for line in (job / "events.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (job / EVENTS_FILE).read_text().splitlines()]
     assert events[-1]["kind"] == "failed" and events[-1]["error"] == result["error"]
 
 
@@ -228,9 +232,9 @@ def test_launch_from_env():
 def test_two_ranks_under_slurm(slurm, tmp_path, tiny_path):
     """``sbatch --ntasks=2`` + ``srun``: the ranks find each other from Slurm's variables alone."""
     job = write_job(tmp_path / "job", tiny_path, 2)
-    config = json.loads((job / "config.json").read_text())
+    config = json.loads((job / CONFIG_FILE).read_text())
     config["params"].update(max_steps=3, steps_per_checkpoint=3)
-    (job / "config.json").write_text(json.dumps(config))
+    (job / CONFIG_FILE).write_text(json.dumps(config))
     # Each private test cluster numbers its jobs from 1, so the port derived from the job id would
     # be the same in two test sessions at once: pin a free one (MASTER_PORT wins under Slurm too).
     script = job / "run.sh"
@@ -254,4 +258,4 @@ def test_two_ranks_under_slurm(slurm, tmp_path, tiny_path):
     assert "rank 1/2 (slurm)" in log
     result = status(job)
     assert result["status"] == "COMPLETED" and result["step"] == 3
-    assert (job / "checkpoints/step-00000003/adapter_model.safetensors").is_file()
+    assert (job / CHECKPOINTS_DIR / checkpoint_name(3) / WEIGHTS_FILE).is_file()

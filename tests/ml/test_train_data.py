@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from loopline.ml.train.config import TrainParams
 from loopline.ml.train.data import IGNORE, DataCursor, ExampleStream, collate, tokenize
 
 
@@ -51,12 +50,3 @@ def test_cursor_reproduces_the_order():
     assert ExampleStream(examples, seed=3).take(16) == first + rest
     assert ExampleStream(examples, seed=4).take(5) != first[:5]  # the seed matters
     assert stream.epoch_progress == pytest.approx(3 + 1 / 5)
-
-
-def test_params_defaults_nulls_and_unknown_keys():
-    p = TrainParams.model_validate({"seed": None, "lora_config": {"r": 4}, "gpus": 8, "lr_decay": "Cosine",
-                                    "tokenformer_config": None})
-    assert p.seed == 0 and p.lora_config.r == 4 and p.lora_config.lora_alpha == 32 and p.lr_decay == "cosine"
-    assert p.tokenformer_config.num_tokens == 32 and p.max_steps == 100 and p.adapter_type == "tokenformer"
-    with pytest.raises(ValueError):
-        TrainParams.model_validate({"adapter_type": "dora"})

@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from loopline.common.adapter_format import FROZEN_BASE_TYPES
 from loopline.inference.engine import GenerationRequest, Sampling
 from loopline.inference.reference_engine import ReferenceEngine
 from loopline.ml.train.checkpoint import latest_checkpoint
@@ -37,7 +38,7 @@ def test_base_model_does_not_know_the_answers(jobs):
     assert all(out != answer for out, (_, answer) in zip(outs, jobs.pairs))
 
 
-@pytest.mark.parametrize("adapter_type", ["tokenformer", "lora"])
+@pytest.mark.parametrize("adapter_type", FROZEN_BASE_TYPES)
 def test_trained_adapter_answers_all_three(jobs, adapter_type):
     job = jobs.write(adapter_type, {**jobs.recipe, "adapter_type": adapter_type})
     run = jobs.run(job)

@@ -7,17 +7,22 @@ import threading
 
 from safetensors import safe_open
 
+from loopline.common import adapter_format
+from loopline.common.job_layout import (CHECKPOINTS_DIR, TRAINING_STATE_FILE, checkpoint_name,
+                                        checkpoint_step, checkpoint_temp_prefix)
 from loopline.ml.adapters import read_adapter_config
 
-CHECKPOINT_FILES = ["adapter_config.json", "adapter_model.safetensors", "training_state.pt"]
+CHECKPOINT_FILES = sorted([*adapter_format.FILES, TRAINING_STATE_FILE])
 STATUS_FIELDS = {"status", "step", "max_steps", "epoch", "loss", "history", "started_at", "updated_at",
                  "error", "accumulated_train_seconds"}
 
 
 def watch_checkpoints(root, stop: threading.Event, seen: set, partial: list) -> None:
-    """A reader like the checkpoint-watcher: every step-* folder it sees must already be whole."""
+    """A reader like the checkpoint-watcher: every checkpoint folder it sees must already be whole."""
     while not stop.is_set():
-        for path in root.glob("step-*") if root.is_dir() else ():
+        for path in root.iterdir() if root.is_dir() else ():
+            if checkpoint_step(path.name) is None:
+                continue
             try:
                 files = sorted(p.name for p in path.iterdir())
             except FileNotFoundError:  # rotated away between glob and listing: fine
@@ -32,12 +37,12 @@ def test_checkpoints_status_and_events(jobs):
     job = jobs.write("outputs", {"max_steps": 7, "steps_per_checkpoint": 2, "max_checkpoints_to_keep": 2,
                                  "batch_size": 2, "gradient_accumulation_steps": 1, "some_future_key": 1,
                                  "tokenformer_config": {"num_tokens": 4, "target_modules": ["v_proj"]}})
-    leftover = job / "checkpoints" / ".tmp-step-00000004-killed"  # from a run killed mid-write
+    leftover = job / CHECKPOINTS_DIR / f"{checkpoint_temp_prefix(4)}killed"  # from a run killed mid-write
     leftover.mkdir(parents=True)
-    (leftover / "adapter_config.json").write_text("{")
+    (leftover / adapter_format.CONFIG_FILE).write_text("{")
 
     stop, seen, partial = threading.Event(), set(), []
-    reader = threading.Thread(target=watch_checkpoints, args=(job / "checkpoints", stop, seen, partial))
+    reader = threading.Thread(target=watch_checkpoints, args=(job / CHECKPOINTS_DIR, stop, seen, partial))
     reader.start()
     try:
         run = jobs.run(job)
@@ -46,16 +51,17 @@ def test_checkpoints_status_and_events(jobs):
         reader.join()
     assert run.returncode == 0, run.stderr[-3000:]
     assert partial == []
-    assert seen <= {f"step-{s:08d}" for s in (2, 4, 6, 7)} and "step-00000007" in seen
+    assert seen <= {checkpoint_name(s) for s in (2, 4, 6, 7)} and checkpoint_name(7) in seen
 
     # Rotation keeps the newest two; no temp or half-deleted folder is left.
-    assert sorted(p.name for p in (job / "checkpoints").iterdir()) == ["step-00000006", "step-00000007"]
-    final = job / "checkpoints" / "step-00000007"
+    kept = sorted(p.name for p in (job / CHECKPOINTS_DIR).iterdir())
+    assert kept == [checkpoint_name(6), checkpoint_name(7)]
+    final = job / CHECKPOINTS_DIR / checkpoint_name(7)
     assert sorted(p.name for p in final.iterdir()) == CHECKPOINT_FILES
     config = read_adapter_config(final)
     assert config["adapter_type"] == "tokenformer" and config["num_tokens"] == 4
     assert config["target_modules"] == ["v_proj"] and config["step"] == 7
-    with safe_open(final / "adapter_model.safetensors", "pt") as f:
+    with safe_open(final / adapter_format.WEIGHTS_FILE, "pt") as f:
         names = sorted(f.keys())
         shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
     assert names == [f"model.layers.{i}.self_attn.v_proj.tokenformer_{kv}" for i in (0, 1) for kv in "kv"]
@@ -83,7 +89,7 @@ def test_checkpoints_status_and_events(jobs):
     assert first_lr == 3e-3 and 0 < last_lr < first_lr  # linear decay, default rate
     checkpoints = [e for e in events if e["kind"] == "checkpoint"]
     assert [(e["step"], e["path"]) for e in checkpoints] == [
-        (s, f"checkpoints/step-{s:08d}") for s in (2, 4, 6, 7)]
+        (s, f"{CHECKPOINTS_DIR}/{checkpoint_name(s)}") for s in (2, 4, 6, 7)]
     assert all(isinstance(e["created_at"], float) for e in checkpoints)
 
 
@@ -94,7 +100,7 @@ def _assert_failed(jobs, job, match: str) -> None:
     assert status["status"] == "FAILED" and match in status["error"]
     failed = [e for e in jobs.events(job) if e["kind"] == "failed"]
     assert len(failed) == 1 and match in failed[0]["error"]
-    assert not (job / "checkpoints").exists() or not any((job / "checkpoints").iterdir())
+    assert not (job / CHECKPOINTS_DIR).exists() or not any((job / CHECKPOINTS_DIR).iterdir())
 
 
 def test_empty_dataset_fails(jobs):

@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 
+from loopline.common.adapter_format import FROZEN_BASE_TYPES
+from loopline.common.job_layout import CHECKPOINTS_DIR, EVENTS_FILE, STATUS_FILE, checkpoint_name
 from loopline.ml.adapters.io import read_tensors
 from loopline.ml.train.checkpoint import latest_checkpoint, list_checkpoints
 
@@ -26,7 +28,7 @@ PARAMS = {"max_steps": MAX_STEPS, "steps_per_checkpoint": 6, "max_checkpoints_to
 def wait_for_checkpoint_event(job_dir, proc, step: int, timeout: float = 120) -> None:
     """Follow events.jsonl (reading only what is new: the machine has 2 cores to share)."""
     deadline = time.monotonic() + timeout
-    path, offset, pending = job_dir / "events.jsonl", 0, ""
+    path, offset, pending = job_dir / EVENTS_FILE, 0, ""
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"training ended (rc {proc.returncode}) before step {step}'s checkpoint")
@@ -45,11 +47,11 @@ def wait_for_checkpoint_event(job_dir, proc, step: int, timeout: float = 120) ->
 
 
 def curve(job_dir) -> list[tuple]:
-    status = json.loads((job_dir / "status.json").read_text())
+    status = json.loads((job_dir / STATUS_FILE).read_text())
     return [(p["step"], p["loss"], p["epoch"]) for p in status["history"]]
 
 
-@pytest.mark.parametrize("adapter_type", ["lora", "tokenformer"])
+@pytest.mark.parametrize("adapter_type", FROZEN_BASE_TYPES)
 def test_sigterm_then_resume_equals_uninterrupted(jobs, adapter_type):
     params = {**PARAMS, "adapter_type": adapter_type}
     whole = jobs.write("whole", params)
@@ -76,7 +78,7 @@ def test_sigterm_then_resume_equals_uninterrupted(jobs, adapter_type):
     assert run.returncode == 0, run.stderr[-3000:]
     assert jobs.status(cut)["status"] == "COMPLETED"
     started = [e for e in jobs.events(cut) if e["kind"] == "started"]
-    assert [e["resumed_from"] for e in started] == [None, f"checkpoints/step-{stopped_at:08d}"]
+    assert [e["resumed_from"] for e in started] == [None, f"{CHECKPOINTS_DIR}/{checkpoint_name(stopped_at)}"]
 
     assert curve(cut) == curve(whole) and len(curve(whole)) == MAX_STEPS
     a, b = read_tensors(latest_checkpoint(whole)[1]), read_tensors(latest_checkpoint(cut)[1])

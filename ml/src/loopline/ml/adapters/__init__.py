@@ -3,13 +3,10 @@
 Torch-only, so inference code can import it: ``apply_adapter(model, checkpoint_dir)``.
 """
 
-from .io import ADAPTER_TYPES, CONFIG_NAME, WEIGHTS_NAME, apply_adapter, read_adapter_config
+from .io import apply_adapter, read_adapter_config
 from .tokenformer import TokenformerLinear, add_tokenformer, tokenformer_delta, tokenformer_theta
 
 __all__ = [
-    "ADAPTER_TYPES",
-    "CONFIG_NAME",
-    "WEIGHTS_NAME",
     "TokenformerLinear",
     "add_tokenformer",
     "apply_adapter",

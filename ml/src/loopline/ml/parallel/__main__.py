@@ -35,11 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     reporter = JobReporter(job_dir) if launch.rank == 0 else None
     try:
         # Imported here so that a missing megatron-core is reported as the job's error.
-        from .config import load_parallel_config
+        from .config import ParallelJobConfig
         from .distributed import tensor_parallel_group
         from .loop import run_job
 
-        config = load_parallel_config(job_dir)
+        config = ParallelJobConfig.read(job_dir)
         tp = config.params.tensor_parallel or launch.world_size
         if tp != launch.world_size:
             raise ValueError(f"tensor_parallel={tp} but {launch.world_size} ranks were launched: "

@@ -1,28 +1,23 @@
-"""The job's config.json for this program: the single-process program's params, plus the TP size.
+"""The job's config.json for this program: the shared TrainParams (``tensor_parallel`` included).
 
 Full fine-tuning only: ``adapter_type`` defaults to "none" here, and asking for an adapter fails
-the job with a clear error rather than silently training something else.
+the job with a clear error rather than silently training something else. (The trainer never
+launches such a job: TrainParams refuses an adapter with tensor_parallel > 1 at submit time; this
+is for a job launched by hand with torchrun.)
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
-from loopline.ml.train.config import JobConfig, TrainParams
+from loopline.common.train_params import JobConfig, TrainParams
 
 
 class ParallelParams(TrainParams):
-    tensor_parallel: int | None = Field(None, ge=1)  # None: every launched rank
     adapter_type: Literal["none"] = "none"
 
 
 class ParallelJobConfig(JobConfig):
     params: ParallelParams = Field(default_factory=ParallelParams)
-
-
-def load_parallel_config(job_dir: Path) -> ParallelJobConfig:
-    return ParallelJobConfig.model_validate(json.loads((Path(job_dir) / "config.json").read_text()))

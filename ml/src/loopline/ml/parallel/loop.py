@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from loopline.common.job_layout import DATASET_FILE
 from loopline.ml.adapters import io as adapter_io
 from loopline.ml.train.checkpoint import remove_leftovers, save_checkpoint
 from loopline.ml.train.data import IGNORE, Batch, ExampleStream, collate, read_rows, tokenize
@@ -92,7 +93,7 @@ def run_job(job_dir: Path, config: ParallelJobConfig, reporter: JobReporter | No
         raise ValueError(f"{config.model_path}: the tokenizer has no EOS token")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     max_len = p.max_seq_len or getattr(hf_config, "max_position_embeddings", 2048)
-    examples = [tokenize(tokenizer, row, eos_id, max_len) for row in read_rows(job_dir / "dataset.jsonlines")]
+    examples = [tokenize(tokenizer, row, eos_id, max_len) for row in read_rows(job_dir / DATASET_FILE)]
 
     model = TensorParallelLlama(hf_config, dtype)
     load_hf_weights(model, config.model_path)

@@ -44,13 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
 
     # Imported after the handler is in place: torch and transformers take seconds to import.
-    from .config import load_job_config
+    from loopline.common.train_params import JobConfig
+
     from .loop import run_job
     from .status import JobReporter
 
     reporter = JobReporter(job_dir)
     try:
-        config = load_job_config(job_dir)
+        config = JobConfig.read(job_dir)
         return run_job(job_dir, config, reporter, lambda: stop["requested"])
     except Exception as exc:  # noqa: BLE001 - any failure ends the job as FAILED with its reason
         log.error("training failed:\n%s", traceback.format_exc())

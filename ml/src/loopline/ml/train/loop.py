@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from loopline.common.job_layout import DATASET_FILE
+from loopline.common.train_params import JobConfig, TrainParams
 from loopline.ml.adapters import io as adapter_io
 
 from .checkpoint import latest_checkpoint, load_training_state, remove_leftovers, save_checkpoint
-from .config import JobConfig, TrainParams
 from .data import IGNORE, Batch, DataCursor, ExampleStream, collate, read_rows, tokenize
 from .status import JobReporter
 
@@ -119,7 +120,7 @@ def load_model_and_data(config: JobConfig, job_dir: Path, device: torch.device, 
         raise ValueError(f"{config.model_path}: the tokenizer has no EOS token")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     max_len = config.params.max_seq_len or getattr(model.config, "max_position_embeddings", 2048)
-    rows = read_rows(job_dir / "dataset.jsonlines")
+    rows = read_rows(job_dir / DATASET_FILE)
     return model, [tokenize(tokenizer, row, eos_id, max_len) for row in rows], pad_id
 
 
@@ -182,8 +183,8 @@ def run_job(job_dir: Path, config: JobConfig, reporter: JobReporter,
 
     model, examples, pad_id = load_model_and_data(config, job_dir, device, dtype)
     model, adapter_fields = adapter_io.prepare_model(
-        model, p.adapter_type, tokenformer=p.tokenformer_config.model_dump(),
-        lora=p.lora_config.model_dump(), base_model=config.model_path, seed=p.seed)
+        model, p.adapter_type, tokenformer=p.tokenformer_config.declared(),
+        lora=p.lora_config.declared(), base_model=config.model_path, seed=p.seed)
     model.train()
     trainable = [q for q in model.parameters() if q.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=p.learning_rate)

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-STATUS_NAME = "status.json"
-EVENTS_NAME = "events.jsonl"
+from loopline.common.job_layout import EVENTS_FILE, STATUS_FILE
+
 HISTORY_LIMIT = 1024  # ScalarLM's training_history_length
 
 
@@ -34,7 +34,7 @@ def thin(history: list[dict], limit: int = HISTORY_LIMIT) -> list[dict]:
 
 def read_status(job_dir: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((Path(job_dir) / STATUS_NAME).read_text())
+        return json.loads((Path(job_dir) / STATUS_FILE).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 
@@ -64,7 +64,7 @@ class JobReporter:
             "accumulated_train_seconds": float(previous.get("accumulated_train_seconds") or 0.0),
             "skipped_steps": previous.get("skipped_steps", 0),
         }
-        self._events = open(self.job_dir / EVENTS_NAME, "a", encoding="utf-8")
+        self._events = open(self.job_dir / EVENTS_FILE, "a", encoding="utf-8")
 
     def resume_from(self, step: int, epoch: float, skipped_steps: int) -> None:
         """Keep the history up to the checkpoint we resume from; later points will be redone."""
@@ -79,8 +79,8 @@ class JobReporter:
 
     def write(self, **changes: Any) -> None:
         self.status.update(changes, updated_at=time.time())
-        path = self.job_dir / STATUS_NAME
-        tmp = path.with_name(f".{STATUS_NAME}.{os.getpid()}.tmp")
+        path = self.job_dir / STATUS_FILE
+        tmp = path.with_name(f".{STATUS_FILE}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.status, indent=1) + "\n")
         os.replace(tmp, path)
 
