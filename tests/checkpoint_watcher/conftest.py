@@ -17,7 +17,9 @@ import nats.errors
 import pytest
 
 from loopline.common import bus, launcher, subjects
+from loopline.common.job_layout import CHECKPOINTS_DIR, CONFIG_FILE, checkpoint_name, checkpoint_temp_prefix
 from loopline.common.job_schemas import AdapterEvent, CheckpointAnnounce
+from loopline.common.train_params import TOKENFORMER_TARGET_MODULES
 from support.stacks import tiny_model
 
 MODEL = "tiny"  # the served name; the job's llm_name, <base> of the subjects
@@ -31,12 +33,11 @@ def adapter():
     from transformers import AutoModelForCausalLM
 
     from loopline.ml.adapters import io as adapter_io
-    from loopline.ml.adapters.tokenformer import DEFAULT_TARGET_MODULES
 
     path = tiny_model()
     model = AutoModelForCausalLM.from_pretrained(path)
     model, fields = adapter_io.prepare_model(
-        model, "tokenformer", tokenformer={"num_tokens": 8, "target_modules": DEFAULT_TARGET_MODULES},
+        model, "tokenformer", tokenformer={"num_tokens": 8, "target_modules": TOKENFORMER_TARGET_MODULES},
         lora={}, base_model=path, seed=0)
     tensors = adapter_io.adapter_tensors(model, "tokenformer")
     generator = torch.Generator().manual_seed(1)
@@ -57,7 +58,7 @@ class Jobs:
         job_dir = self.root / job_hash
         job_dir.mkdir(parents=True, exist_ok=True)
         config = {"job_hash": job_hash, "model_path": "/models/tiny", "params": {"llm_name": llm_name}}
-        (job_dir / "config.json").write_text(json.dumps(config))
+        (job_dir / CONFIG_FILE).write_text(json.dumps(config))
         return job_dir
 
     def checkpoint(self, job_hash: str, step: int, keep: int = 100) -> Path:
@@ -70,9 +71,9 @@ class Jobs:
     def staged(self, job_hash: str, step: int) -> Path:
         """A complete checkpoint in a ``.tmp-`` folder beside the others, not renamed yet."""
         done = self.checkpoint(f".scratch-{job_hash}", step)  # "." keeps it out of the watcher's sight
-        root = self.root / job_hash / "checkpoints"
+        root = self.root / job_hash / CHECKPOINTS_DIR
         root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:08d}-", dir=root))
+        tmp = Path(tempfile.mkdtemp(prefix=checkpoint_temp_prefix(step), dir=root))
         tmp.rmdir()
         done.rename(tmp)
         return tmp
@@ -81,7 +82,7 @@ class Jobs:
     def publish(tmp: Path) -> Path:
         """Rename a staged checkpoint into place, as the training program does."""
         step = int(tmp.name.split("-")[2])
-        final = tmp.with_name(f"step-{step:08d}")
+        final = tmp.with_name(checkpoint_name(step))
         tmp.rename(final)
         return final
 

@@ -11,6 +11,9 @@ import pytest
 
 from loopline.checkpoint_watcher import pack, validate, watch
 from loopline.checkpoint_watcher.validate import Rejected
+from loopline.common.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from loopline.common.job_layout import (CHECKPOINTS_DIR, STATUS_FILE, TRAINING_STATE_FILE, checkpoint_name,
+                                        checkpoint_temp_prefix)
 
 
 @pytest.fixture
@@ -95,28 +98,30 @@ def test_tensors_must_fit_the_adapter_type(weights):
 
 
 def test_packing_is_deterministic_and_capped(tmp_path, weights):
-    step = tmp_path / "step-00000007"
+    step = tmp_path / checkpoint_name(7)
     step.mkdir()
-    (step / "adapter_config.json").write_text('{"adapter_type": "tokenformer", "num_tokens": 4}')
-    weights.rename(step / "adapter_model.safetensors")
-    (step / "training_state.pt").write_bytes(b"not stored")
+    (step / CONFIG_FILE).write_text('{"adapter_type": "tokenformer", "num_tokens": 4}')
+    weights.rename(step / WEIGHTS_FILE)
+    (step / TRAINING_STATE_FILE).write_bytes(b"not stored")
     a = pack.pack(step, 7, 1 << 20)
-    (step / "adapter_config.json").touch()  # a new mtime changes nothing stored
+    (step / CONFIG_FILE).touch()  # a new mtime changes nothing stored
     b = pack.pack(step, 7, 1 << 20)
     assert (a.sha256, a.size, a.data.read()) == (b.sha256, b.size, b.data.read())
     with pytest.raises(Rejected, match="more than the 100 allowed"):
         pack.pack(step, 7, 100)
     with pytest.raises(pack.Vanished):
-        pack.pack(tmp_path / "step-00000008", 8, 1 << 20)
+        pack.pack(tmp_path / checkpoint_name(8), 8, 1 << 20)
 
 
 def test_only_checkpoint_paths_wake_a_job():
-    root = "/jobs"
-    assert watch.job_of(root, "/jobs/abc") == "abc"
-    assert watch.job_of(root, "/jobs/abc/checkpoints") == "abc"
-    assert watch.job_of(root, "/jobs/abc/checkpoints/step-00000010") == "abc"
-    for path in ("/jobs/abc/status.json", "/jobs/abc/checkpoints/.tmp-step-00000010-x",
-                 "/jobs/abc/checkpoints/.tmp-step-00000010-x/adapter_model.safetensors",
-                 "/jobs/abc/checkpoints/step-00000010/adapter_config.json",
-                 "/jobs/.staging-abc-1234", "/jobs/.local-runs/L1.json", "/jobsx/abc", "/jobs/a.b"):
+    job = "ab" * 32
+    root, checkpoints = "/jobs", f"/jobs/{job}/{CHECKPOINTS_DIR}"
+    assert watch.job_of(root, f"/jobs/{job}") == job
+    assert watch.job_of(root, checkpoints) == job
+    assert watch.job_of(root, f"{checkpoints}/{checkpoint_name(10)}") == job
+    for path in (f"/jobs/{job}/{STATUS_FILE}", f"{checkpoints}/{checkpoint_temp_prefix(10)}x",
+                 f"{checkpoints}/{checkpoint_temp_prefix(10)}x/{WEIGHTS_FILE}",
+                 f"{checkpoints}/{checkpoint_name(10)}/{CONFIG_FILE}",
+                 f"/jobs/.staging-{job}-1234", "/jobs/.local-runs/L1.json", f"/jobsx/{job}", "/jobs/a.b",
+                 "/jobs/abc", f"/jobs/{job.upper()}"):  # not job hashes
         assert watch.job_of(root, path) is None, path

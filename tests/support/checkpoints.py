@@ -11,16 +11,15 @@ import tarfile
 import time
 from pathlib import Path
 
-from loopline.common import bus, subjects
+from loopline.common import adapter_format, bus, subjects
+from loopline.common.job_layout import checkpoint_step
 from loopline.common.job_schemas import CheckpointAnnounce
-
-FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def adapter_tar(checkpoint: Path) -> bytes:
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w") as tar:
-        for name in FILES:
+        for name in adapter_format.FILES:
             data = (checkpoint / name).read_bytes()
             info = tarfile.TarInfo(name)
             info.size = len(data)
@@ -30,8 +29,8 @@ def adapter_tar(checkpoint: Path) -> bytes:
 
 async def announce_checkpoint(js, checkpoint: Path, *, job_hash: str, base_model: str,
                               created_at: float | None = None) -> CheckpointAnnounce:
-    config = json.loads((checkpoint / FILES[0]).read_text())
-    step = int(config.get("step") or checkpoint.name.rsplit("-", 1)[-1])
+    config = json.loads((checkpoint / adapter_format.CONFIG_FILE).read_text())
+    step = int(config.get("step") or checkpoint_step(checkpoint.name))
     data = adapter_tar(checkpoint)
     name = f"{job_hash}/{step}"
     obs = await js.object_store(subjects.ADAPTERS_BUCKET)

@@ -23,6 +23,8 @@ import json
 import time
 from pathlib import Path
 
+from loopline.common.job_layout import CONFIG_FILE
+
 KEY_SCALE = 500.0    # a: |s| stays large unless x is nearly orthogonal to u
 VALUE_SCALE = 200.0  # c: far above the tiny model's activations (norms of a few units)
 SPECIAL = 3          # ids 0..2 are pad/bos/eos in the tiny model's tokenizer
@@ -89,7 +91,7 @@ def write_job_config(jobs_dir: Path, job_hash: str, llm_name: str) -> Path:
     base model (the served name: the subject the replicas follow)."""
     job_dir = Path(jobs_dir) / job_hash
     job_dir.mkdir(parents=True, exist_ok=True)
-    (job_dir / "config.json").write_text(json.dumps(
+    (job_dir / CONFIG_FILE).write_text(json.dumps(
         {"job_hash": job_hash, "model_path": llm_name,
          "params": {"llm_name": llm_name, "adapter_type": "tokenformer"}}))
     return job_dir

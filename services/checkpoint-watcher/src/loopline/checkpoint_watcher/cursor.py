@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class JobCursor:
-    identity: str = ""  # scan.JobInfo.identity of the job directory this describes
+    identity: str = ""  # scan.WatchedJob.identity of the job directory this describes
     step: int = -1  # the last step announced (-1: none yet)
     sha256: str = ""  # of that announcement's object
     # step -> fingerprint of each checkpoint folder handled (announced, rejected or skipped as

@@ -24,9 +24,8 @@ from typing import Any, BinaryIO
 
 from loopline.checkpoint_watcher import validate
 from loopline.checkpoint_watcher.validate import Rejected
+from loopline.common.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
 # Objects up to this size are built in memory; larger ones (full weights) in a temp file.
 IN_MEMORY_BYTES = 64 * 1024 * 1024
 
@@ -47,20 +46,20 @@ class Packed:
 def pack(step_dir: Path, step: int, max_adapter_bytes: int) -> Packed:
     """Raises ``Rejected`` (corrupt: report it) or ``Vanished`` (gone: forget it)."""
     try:
-        config_f = open(step_dir / CONFIG_NAME, "rb")
+        config_f = open(step_dir / CONFIG_FILE, "rb")
     except FileNotFoundError as exc:
-        raise _missing(step_dir, CONFIG_NAME) from exc
+        raise _missing(step_dir, CONFIG_FILE) from exc
     with config_f:
         try:
-            weights_f = open(step_dir / WEIGHTS_NAME, "rb")
+            weights_f = open(step_dir / WEIGHTS_FILE, "rb")
         except FileNotFoundError as exc:
-            raise _missing(step_dir, WEIGHTS_NAME) from exc
+            raise _missing(step_dir, WEIGHTS_FILE) from exc
         with weights_f:
             raw_config = config_f.read(validate.MAX_CONFIG_BYTES + 1)
             config = validate.adapter_config(raw_config, step)
             size = os.fstat(weights_f.fileno()).st_size
             if size > max_adapter_bytes:
-                raise Rejected(f"{WEIGHTS_NAME} has {size} bytes, more than the {max_adapter_bytes} allowed")
+                raise Rejected(f"{WEIGHTS_FILE} has {size} bytes, more than the {max_adapter_bytes} allowed")
             validate.tensors_match(config, validate.safetensors_header(weights_f, size))
             out = _tar(raw_config, weights_f, size)
     sha, total = _digest(out)
@@ -71,9 +70,9 @@ def _tar(raw_config: bytes, weights: BinaryIO, weights_size: int) -> BinaryIO:
     out: BinaryIO = io.BytesIO() if weights_size < IN_MEMORY_BYTES else tempfile.TemporaryFile()
     try:
         with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-            tar.addfile(_member(CONFIG_NAME, len(raw_config)), io.BytesIO(raw_config))
+            tar.addfile(_member(CONFIG_FILE, len(raw_config)), io.BytesIO(raw_config))
             weights.seek(0)
-            tar.addfile(_member(WEIGHTS_NAME, weights_size), weights)
+            tar.addfile(_member(WEIGHTS_FILE, weights_size), weights)
     except BaseException:
         out.close()
         raise

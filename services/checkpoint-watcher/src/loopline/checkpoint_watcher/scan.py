@@ -4,24 +4,20 @@
     <jobs_dir>/<job_hash>/checkpoints/step-%08d/      complete: the training program renames it in
     <jobs_dir>/<job_hash>/checkpoints/.tmp-step-…/    being written: never looked at
 
-Names starting with "." are someone's work in progress (the trainer's .staging-*, the local
-launcher's .local-runs, the training program's .tmp-* and .old-*). Blocking calls: run them in a
-thread.
+The names are loopline.common.job_layout's. Names starting with "." are someone's work in progress
+(the trainer's .staging-*, the local launcher's .local-runs, the training program's .tmp-* and
+.old-*), and none is a job hash or a checkpoint name. Blocking calls: run them in a thread.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-CHECKPOINTS = "checkpoints"
-CONFIG = "config.json"
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
-# The job hash becomes a subject token and a KV key: letters, digits, "-" and "_" only.
-_JOB_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+from loopline.common.job_hash import is_job_hash
+from loopline.common.job_layout import CHECKPOINTS_DIR, CONFIG_FILE, checkpoint_step
 
 
 @dataclass(frozen=True)
@@ -35,7 +31,7 @@ class StepDir:
 
 
 @dataclass(frozen=True)
-class JobInfo:
+class WatchedJob:
     # Inode of the job directory and mtime of its config.json: a job deleted and submitted again
     # (same hash) is a new directory and starts over from step 0.
     identity: str
@@ -47,39 +43,36 @@ def job_names(jobs_dir: Path) -> list[str]:
         entries = list(os.scandir(jobs_dir))
     except FileNotFoundError:
         return []
-    return sorted(e.name for e in entries if is_job_name(e.name) and e.is_dir(follow_symlinks=False))
-
-
-def is_job_name(name: str) -> bool:
-    return bool(_JOB_NAME.match(name))
+    # The job hash becomes a subject token and a KV key: anything else in jobs_dir is not a job.
+    return sorted(e.name for e in entries if is_job_hash(e.name) and e.is_dir(follow_symlinks=False))
 
 
 def step_dirs(job_dir: Path) -> list[StepDir]:
     """The job's complete checkpoints, oldest first (by step number); none when the job is gone."""
     found = []
     try:
-        entries = list(os.scandir(job_dir / CHECKPOINTS))
+        entries = list(os.scandir(job_dir / CHECKPOINTS_DIR))
     except (FileNotFoundError, NotADirectoryError):
         return []
     for entry in entries:
-        m = _STEP_DIR.match(entry.name)
-        if not m:
+        step = checkpoint_step(entry.name)
+        if step is None:
             continue
         try:
             st = entry.stat(follow_symlinks=False)
         except FileNotFoundError:
             continue  # rotated away while we listed
         if entry.is_dir(follow_symlinks=False):
-            found.append(StepDir(int(m.group(1)), Path(entry.path), f"{st.st_ino}-{st.st_mtime_ns}",
+            found.append(StepDir(step, Path(entry.path), f"{st.st_ino}-{st.st_mtime_ns}",
                                  st.st_mtime))
     return sorted(found, key=lambda s: s.step)
 
 
-def job_info(job_dir: Path) -> JobInfo | None:
+def watched_job(job_dir: Path) -> WatchedJob | None:
     """None when config.json is missing or unreadable: not a job of ours, or one being deleted."""
     try:
         dir_ino = job_dir.stat().st_ino
-        with open(job_dir / CONFIG, "rb") as f:
+        with open(job_dir / CONFIG_FILE, "rb") as f:
             config_mtime = os.fstat(f.fileno()).st_mtime_ns
             config = json.loads(f.read(1024 * 1024))
     except (OSError, ValueError):
@@ -92,4 +85,4 @@ def job_info(job_dir: Path) -> JobInfo | None:
     base = params.get("llm_name") or config.get("model_path")
     if not isinstance(base, str) or not base:
         return None
-    return JobInfo(identity=f"{dir_ino}-{config_mtime}", base_model=base)
+    return WatchedJob(identity=f"{dir_ino}-{config_mtime}", base_model=base)

@@ -15,10 +15,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from loopline.common.adapter_format import adapter_type_of
+
 # The reference reader refuses headers above 100 MB; ours are a few KB.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_CONFIG_BYTES = 1024 * 1024
-ADAPTER_TYPES = ("tokenformer", "lora", "none")
 DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1,
     "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
@@ -51,9 +52,8 @@ def adapter_config(raw: bytes, step: int) -> dict[str, Any]:
         raise Rejected(f"adapter_config.json is not JSON: {exc}") from exc
     if not isinstance(config, dict):
         raise Rejected("adapter_config.json is not a JSON object")
-    # A plain PEFT folder (trained elsewhere) names no adapter_type of ours: it is LoRA.
-    kind = config.get("adapter_type") or ("lora" if config.get("peft_type") == "LORA" else None)
-    if kind not in ADAPTER_TYPES:
+    kind = adapter_type_of(config)
+    if kind is None:
         raise Rejected(f"adapter_config.json: unknown adapter_type {config.get('adapter_type')!r}")
     # A folder whose config names another step was copied or renamed by hand: not what it claims.
     if "step" in config and config["step"] != step:

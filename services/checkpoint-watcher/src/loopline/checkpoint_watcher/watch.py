@@ -20,7 +20,8 @@ from pathlib import Path
 
 from watchfiles import Change, awatch
 
-from loopline.checkpoint_watcher import scan
+from loopline.common.job_hash import is_job_hash
+from loopline.common.job_layout import CHECKPOINTS_DIR, checkpoint_step
 
 log = logging.getLogger(__name__)
 # watchfiles logs every batch of changes at INFO; we log what we do with them instead.
@@ -40,13 +41,13 @@ def job_of(jobs_dir: str, path: str) -> str | None:
     if not path.startswith(jobs_dir + os.sep):
         return None
     parts = path[len(jobs_dir) + 1:].split(os.sep)
-    if not scan.is_job_name(parts[0]):
+    if not is_job_hash(parts[0]):
         return None
     if len(parts) == 1:
         return parts[0]
-    if parts[1] != scan.CHECKPOINTS:
+    if parts[1] != CHECKPOINTS_DIR:
         return None
-    if len(parts) == 2 or (len(parts) == 3 and parts[2].startswith("step-")):
+    if len(parts) == 2 or (len(parts) == 3 and checkpoint_step(parts[2]) is not None):
         return parts[0]
     return None
 

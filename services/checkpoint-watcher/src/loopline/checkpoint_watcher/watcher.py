@@ -43,7 +43,7 @@ class CheckpointWatcher:
         new = [s for s in on_disk if cursor.seen.get(s.step) != s.fingerprint]
         if not new:
             return
-        job = await asyncio.to_thread(scan.job_info, job_dir)
+        job = await asyncio.to_thread(scan.watched_job, job_dir)
         if job is None:
             if job_hash not in self._no_config:
                 log.warning("job %s: no readable config.json naming its model; its checkpoints wait",
