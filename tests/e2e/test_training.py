@@ -23,6 +23,7 @@ import openai
 import pytest
 import scalarlm
 
+from loopline.common.adapter_format import FROZEN_BASE_TYPES
 from loopline.inference.engine import GenerationRequest, Sampling
 from loopline.inference.reference_engine import ReferenceEngine
 from loopline.ml.train.checkpoint import latest_checkpoint
@@ -98,7 +99,7 @@ def read_events(url: str, job_hash: str) -> list[dict]:
     return events
 
 
-@pytest.mark.parametrize("adapter_type", ["tokenformer", "lora"])
+@pytest.mark.parametrize("adapter_type", FROZEN_BASE_TYPES)
 def test_scalarlm_client_trains_an_adapter_that_answers(train_stack, tiny, tmp_path, monkeypatch,
                                                          adapter_type):
     # The client ships ./ml from its working directory as user code, which the trainer refuses by

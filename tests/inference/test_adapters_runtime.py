@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from loopline.common import bus, subjects
+from loopline.common import adapter_format, bus, subjects
+from loopline.common.job_layout import CHECKPOINTS_DIR, CONFIG_FILE, DATASET_FILE, checkpoint_name
 from loopline.common.job_schemas import AdapterEvent
 from loopline.common.schemas import ResultItem, SamplingParams, WorkItem
 from loopline.inference.adapters import AdapterManager
@@ -49,19 +50,19 @@ ANSWERS = [a for _, a in PAIRS]
 def train(root: Path, adapter_type: str, model: str) -> Path:
     job = root / adapter_type
     job.mkdir(parents=True)
-    (job / "config.json").write_text(json.dumps(
+    (job / CONFIG_FILE).write_text(json.dumps(
         {"job_hash": f"test-{adapter_type}", "model_path": model,
          "params": {**RECIPE, "adapter_type": adapter_type}}))
-    (job / "dataset.jsonlines").write_text(
+    (job / DATASET_FILE).write_text(
         "".join(json.dumps({"input": q, "output": a}) + "\n" for q, a in PAIRS))
     run = subprocess.run([sys.executable, "-m", "loopline.ml.train", "--job-dir", str(job)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    return job / "checkpoints"
+    return job / CHECKPOINTS_DIR
 
 
 def step_dir(checkpoints: Path, step: int) -> Path:
-    return checkpoints / f"step-{step:08d}"
+    return checkpoints / checkpoint_name(step)
 
 
 def new_hash() -> str:
@@ -274,11 +275,11 @@ async def test_full_weight_checkpoint_is_rejected_by_vllm_with_the_reason(nats, 
     from safetensors.torch import save_file
     import torch
 
-    checkpoint = tmp_path / "step-00000001"
+    checkpoint = tmp_path / checkpoint_name(1)
     checkpoint.mkdir()
-    (checkpoint / "adapter_config.json").write_text(json.dumps(
+    (checkpoint / adapter_format.CONFIG_FILE).write_text(json.dumps(
         {"adapter_type": "none", "format_version": 1, "step": 1, "base_model_name_or_path": vllm.base}))
-    save_file({"model.norm.weight": torch.ones(4)}, str(checkpoint / "adapter_model.safetensors"))
+    save_file({"model.norm.weight": torch.ones(4)}, str(checkpoint / adapter_format.WEIGHTS_FILE))
     job = new_hash()
     events = await nats.events(job)
     await announce_checkpoint(nats.js, checkpoint, job_hash=job, base_model=vllm.base)

@@ -20,6 +20,7 @@ import pytest
 import pytest_asyncio
 import torch
 
+from loopline.common.adapter_format import CONFIG_FILE
 from loopline.inference.engine import vllm_available
 from support.stacks import tiny_model
 
@@ -170,7 +171,7 @@ def test_full_finetunes_are_refused(tmp_path):
     from loopline.inference.adapters_vllm import to_vllm_lora
 
     (tmp_path / "ck").mkdir()
-    (tmp_path / "ck" / "adapter_config.json").write_text('{"adapter_type": "none", "format_version": 1}')
+    (tmp_path / "ck" / CONFIG_FILE).write_text('{"adapter_type": "none", "format_version": 1}')
     with pytest.raises(ValueError, match="full fine-tune"):
         to_vllm_lora(tmp_path / "ck", tmp_path / "out")
 

@@ -12,8 +12,8 @@ import shutil
 import tarfile
 from pathlib import Path
 
+from loopline.common import adapter_format
 from loopline.common.job_schemas import CheckpointAnnounce
-from loopline.ml.adapters import CONFIG_NAME, WEIGHTS_NAME
 
 ARCHIVE_NAME = "adapter.tar"
 # Where the two files land inside a version's folder; the engine may write beside it (vLLM's copy).
@@ -46,7 +46,7 @@ def unpack(archive: Path, folder: Path) -> Path:
     """Extract the two adapter files from ``archive`` into ``folder/checkpoint``; returns that."""
     out = folder / CHECKPOINT_DIR
     out.mkdir(parents=True, exist_ok=False)
-    wanted = {CONFIG_NAME, WEIGHTS_NAME}
+    wanted = set(adapter_format.FILES)
     found: set[str] = set()
     try:
         with tarfile.open(archive, mode="r:") as tar:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import shutil
 import time
 from collections import OrderedDict
@@ -31,6 +30,7 @@ from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from loopline.common import bus, subjects
+from loopline.common.job_hash import is_job_hash
 from loopline.common.job_schemas import AdapterEvent, CheckpointAnnounce
 from loopline.inference.adapter_files import BadArchive, download, unpack
 from loopline.inference.engine import AdapterRejected, Engine
@@ -38,8 +38,6 @@ from loopline.ml.adapters import read_adapter_config
 
 log = logging.getLogger(__name__)
 
-# A job hash names a subject token and a folder: nothing else may pass.
-_JOB_HASH = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 # Announce-driven loads that fail for a passing reason (NATS restarting) are retried this often.
 LOAD_ATTEMPTS = 4
 
@@ -120,7 +118,8 @@ class AdapterManager:
             version.refs += 1
             self.current.move_to_end(job_hash)
             return version
-        if not _JOB_HASH.match(job_hash):
+        # A job hash names a subject token and a folder: nothing else may pass.
+        if not is_job_hash(job_hash):
             raise AdapterUnavailable(400, f"{job_hash!r} is not a job hash")
         if job_hash not in self.announces:
             await self._look_up(job_hash)
@@ -139,7 +138,7 @@ class AdapterManager:
         except ValueError:
             log.error("ignoring a malformed checkpoint announce on %s", msg.subject)
             return
-        if not _JOB_HASH.match(announce.job_hash):
+        if not is_job_hash(announce.job_hash):
             log.error("ignoring a checkpoint announce for job %r", announce.job_hash)
             return
         self.announces[announce.job_hash] = announce

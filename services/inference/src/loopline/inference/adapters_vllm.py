@@ -15,6 +15,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from loopline.common import adapter_format
+from loopline.common.adapter_format import FULL_WEIGHTS
+
 # Marker and guard written into a converted Tokenformer folder's adapter_config.json.
 # - ``adapter_type: "tokenformer"`` (our format's own field, kept) is what the plugin reads to know
 #   the adapter needs Θ.
@@ -39,12 +42,12 @@ def to_vllm_lora(checkpoint_dir: str | Path, out_dir: str | Path) -> tuple[str, 
     (``max_cpu_loras``), possibly after training has rotated the checkpoint away. Full fine-tunes
     (``adapter_type: "none"``) are not adapters: ``ValueError``.
     """
-    from loopline.ml.adapters.io import CONFIG_NAME, WEIGHTS_NAME, read_adapter_config
+    from loopline.ml.adapters.io import read_adapter_config
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     config = read_adapter_config(checkpoint_dir)
     kind = config["adapter_type"]
-    if kind not in ("tokenformer", "lora"):
+    if kind == FULL_WEIGHTS:
         raise ValueError(
             f"{checkpoint_dir}: adapter_type {kind!r} cannot be served as a vLLM adapter "
             "(a full fine-tune is a new model: serve it as a model folder)")
@@ -52,7 +55,7 @@ def to_vllm_lora(checkpoint_dir: str | Path, out_dir: str | Path) -> tuple[str, 
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
     try:
         if kind == "lora":
-            for name in (CONFIG_NAME, WEIGHTS_NAME):
+            for name in adapter_format.FILES:
                 shutil.copyfile(checkpoint_dir / name, tmp / name)
         else:
             _write_tokenformer(checkpoint_dir, config, tmp)
@@ -98,11 +101,11 @@ def tokenformer_lora_tensors(tensors: dict, num_tokens: int) -> dict:
 def _write_tokenformer(checkpoint_dir: Path, config: dict, out: Path) -> None:
     from safetensors.torch import save_file
 
-    from loopline.ml.adapters.io import CONFIG_NAME, WEIGHTS_NAME, read_tensors
+    from loopline.ml.adapters.io import read_tensors
 
     n = int(config["num_tokens"])
     tensors = tokenformer_lora_tensors(read_tensors(checkpoint_dir), n)
-    save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    save_file(tensors, str(out / adapter_format.WEIGHTS_FILE), metadata={"format": "pt"})
     peft_fields = {
         "peft_type": "LORA",
         "r": n,
@@ -117,4 +120,4 @@ def _write_tokenformer(checkpoint_dir: Path, config: dict, out: Path) -> None:
     }
     # Our fields (adapter_type, num_tokens, step, ...) stay: they say what the folder really is.
     merged = {**config, **peft_fields, "tokenformer_sqrt_n_folded_into_lora_b": True}
-    (out / CONFIG_NAME).write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
+    (out / adapter_format.CONFIG_FILE).write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")

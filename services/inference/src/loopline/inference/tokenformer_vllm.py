@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from loopline.common import adapter_format
 from loopline.ml.adapters.tokenformer import TOKENFORMER_EPS
 
 log = logging.getLogger(__name__)
@@ -249,7 +250,7 @@ def _after_load_adapter(worker_manager, lora, lora_request, *args, **kwargs) -> 
 
     from loopline.inference.adapters_vllm import TOKENFORMER_INIT
 
-    path = Path(get_adapter_absolute_path(lora_request.lora_path)) / "adapter_config.json"
+    path = Path(get_adapter_absolute_path(lora_request.lora_path)) / adapter_format.CONFIG_FILE
     config = json.loads(path.read_text())
     is_tf = config.get("adapter_type") == "tokenformer"
     if config.get("init_lora_weights") == TOKENFORMER_INIT and not is_tf:
