@@ -23,6 +23,7 @@ from fastapi import FastAPI, File, Form, HTTPException, UploadFile
 from fastapi.responses import StreamingResponse
 from typer.testing import CliRunner
 
+from loopline.cli.archive import DATASET_NAME
 from loopline.cli.main import app as cli_app
 
 
@@ -92,8 +93,8 @@ class StandIn:
         async def train(file: UploadFile = File(...), params: str = Form(...)):
             data, args = await file.read(), json.loads(params)
             with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-                if "dataset.jsonlines" not in tar.getnames():
-                    raise HTTPException(400, "the archive has no dataset.jsonlines")
+                if DATASET_NAME not in tar.getnames():
+                    raise HTTPException(400, f"the archive has no {DATASET_NAME}")
             self.uploads.append((data, args))
             return self.response(self.add_job(args, data), status="QUEUED")
 

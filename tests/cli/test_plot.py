@@ -9,6 +9,7 @@ import matplotlib.image
 
 from loopline.cli.client import Gateway
 from loopline.cli.main import _learning_rates
+from loopline.cli.plot import JOB_CONFIG_FILE, STATUS_FILE, load_status_file
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -40,16 +41,24 @@ def test_plot_from_file(cli, refused_url, tmp_path):
     job_dir = tmp_path / ("ab" * 32)
     job_dir.mkdir()
     history = [{"step": s, "loss": 4.0 / s, "epoch": 0.0, "time": float(s)} for s in range(1, 11)]
-    (job_dir / "status.json").write_text(json.dumps({"status": "COMPLETED", "history": history}))
+    (job_dir / STATUS_FILE).write_text(json.dumps({"status": "COMPLETED", "history": history}))
     (job_dir / "config.yaml").write_text("llm_name: tiny-llama\nmax_steps: 10\n")
     out = tmp_path / "offline.png"
     # No gateway needed: the URL refuses connections and the command must not try it.
-    result = cli("plot", "--from-file", str(job_dir / "status.json"), "--out", str(out), url=refused_url)
+    result = cli("plot", "--from-file", str(job_dir / STATUS_FILE), "--out", str(out), url=refused_url)
     assert result.exit_code == 0, result.output
     _check_png(out)
 
 
+def test_a_job_directory_names_its_model(tmp_path):
+    """Ours holds config.json with the served model in its params (ScalarLM's: config.yaml)."""
+    (tmp_path / STATUS_FILE).write_text(json.dumps({"status": "QUEUED", "history": []}))
+    (tmp_path / JOB_CONFIG_FILE).write_text(json.dumps(
+        {"job_hash": "ab" * 32, "model_path": "/models/tiny", "params": {"llm_name": "tiny"}}))
+    assert load_status_file(tmp_path)[2] == "tiny"
+
+
 def test_plot_without_history_says_why(cli, refused_url, tmp_path):
-    (tmp_path / "status.json").write_text(json.dumps({"status": "QUEUED", "history": []}))
+    (tmp_path / STATUS_FILE).write_text(json.dumps({"status": "QUEUED", "history": []}))
     result = cli("plot", "--from-file", str(tmp_path), "--out", str(tmp_path / "x.png"), url=refused_url)
     assert result.exit_code == 2 and "no loss history yet" in result.output

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+# loopline.common.job_layout.DATASET_FILE, which this HTTP-only package does not install
+# (tests/common/test_contracts.py checks the two agree).
 DATASET_NAME = "dataset.jsonlines"
 MAX_REPORTED_ERRORS = 5
 # Bytecode and editor droppings change between runs without changing the code, and would make

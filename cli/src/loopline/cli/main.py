@@ -36,6 +36,7 @@ STATUS_COLOURS = {"COMPLETED": "green", "FAILED": "red", "CANCELLED": "yellow", 
 
 
 class Adapter(str, enum.Enum):
+    # loopline.common.adapter_format.ADAPTER_TYPES (tests/common/test_contracts.py checks them).
     tokenformer = "tokenformer"
     lora = "lora"
     none = "none"

@@ -10,12 +10,16 @@ from typing import Any
 from loopline.cli.client import EXIT_USER, CliError
 
 EMA_FROM_POINTS = 20  # below this a smoothed line hides more than it shows
+# A job directory's files (loopline.common.job_layout, which this HTTP-only package does not
+# install; tests/common/test_contracts.py checks the two agree).
+STATUS_FILE = "status.json"
+JOB_CONFIG_FILE = "config.json"
 
 
 def load_status_file(path: Path) -> tuple[dict[str, Any], str, str | None]:
     """(job status, job hash, model) from a job directory, its status.json, or a saved TrainResponse."""
     if path.is_dir():
-        path = path / "status.json"
+        path = path / STATUS_FILE
     try:
         data = json.loads(path.read_text())
     except OSError as exc:
@@ -35,10 +39,12 @@ def load_status_file(path: Path) -> tuple[dict[str, Any], str, str | None]:
 
 
 def _llm_name_beside(job_dir: Path) -> str | None:
-    """The model from the job's config file; a line match keeps YAML out of the dependencies."""
-    if (job_dir / "config.json").is_file():
+    """The model from the job's config file (ours: config.json, the served name in its params;
+    ScalarLM's: config.yaml); a line match keeps YAML out of the dependencies."""
+    if (job_dir / JOB_CONFIG_FILE).is_file():
         try:
-            return json.loads((job_dir / "config.json").read_text()).get("llm_name")
+            config = json.loads((job_dir / JOB_CONFIG_FILE).read_text())
+            return config.get("llm_name") or (config.get("params") or {}).get("llm_name")
         except (OSError, ValueError, AttributeError):
             return None
     if (job_dir / "config.yaml").is_file():
