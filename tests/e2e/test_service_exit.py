@@ -9,6 +9,7 @@ it cleanly with 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import nats.errors
 import pytest
 
 from loopline.common import bus, launcher, runtime, subjects
-from loopline.common.schemas import ServiceStatus
+from loopline.common.schemas import ResultItem, SamplingParams, ServiceStatus, WorkItem
 from support.kill_loop import KILLED
 from support.stacks import MODELS_DIR, tiny_model
 
@@ -62,6 +63,10 @@ def service(request) -> Service:
 
 @pytest.fixture
 def env(nats_url, tmp_path, service) -> dict[str, str]:
+    return service_env(nats_url, tmp_path, service.name)
+
+
+def service_env(nats_url: str, tmp_path: Path, name: str) -> dict[str, str]:
     """What the stack gives every service (stack.py's env), on a state directory of its own."""
     return {
         "LOOPLINE_NATS_URL": nats_url,
@@ -73,7 +78,7 @@ def env(nats_url, tmp_path, service) -> dict[str, str]:
         "LOOPLINE_HOST": "127.0.0.1",
         "LOOPLINE_PORT": str(launcher.free_port()),
         "LOOPLINE_LOG_LEVEL": "INFO",
-        "LOOPLINE_REPLICA_ID": f"{service.name}-under-test",
+        "LOOPLINE_REPLICA_ID": f"{name}-under-test",
     }
 
 
@@ -81,24 +86,30 @@ def wait_serving(proc: launcher.Proc, service: Service, env: dict[str, str]) -> 
     """Until the process answers its status as the replica it was told to be."""
 
     async def ask() -> None:
-        deadline = time.monotonic() + READY_WITHIN_S
         nc = await bus.connect(env["LOOPLINE_NATS_URL"], "service-exit-test")
         try:
-            while True:
-                assert proc.alive(), f"{service.name} exited {proc.popen.returncode}:\n{proc.log_tail(80)}"
-                assert time.monotonic() < deadline, f"{service.name} never answered:\n{proc.log_tail()}"
-                try:
-                    reply = await nc.request(service.status_subject, b"{}", timeout=0.5)
-                except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-                    await asyncio.sleep(0.1)
-                    continue
-                status = ServiceStatus.model_validate_json(reply.data)
-                assert status.replica == env["LOOPLINE_REPLICA_ID"], status
-                return
+            await status_of(nc, proc, service, env)
         finally:
             await nc.close()
 
     asyncio.run(ask())
+
+
+async def status_of(nc, proc: launcher.Proc, service: Service, env: dict[str, str],
+                    within_s: float = READY_WITHIN_S) -> ServiceStatus:
+    """The process's status once it answers, as the replica it was told to be."""
+    deadline = time.monotonic() + within_s
+    while True:
+        assert proc.alive(), f"{service.name} exited {proc.popen.returncode}:\n{proc.log_tail(80)}"
+        assert time.monotonic() < deadline, f"{service.name} never answered:\n{proc.log_tail()}"
+        try:
+            reply = await nc.request(service.status_subject, b"{}", timeout=0.5)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            await asyncio.sleep(0.1)
+            continue
+        status = ServiceStatus.model_validate_json(reply.data)
+        assert status.replica == env["LOOPLINE_REPLICA_ID"], status
+        return status
 
 
 def exit_code(proc: launcher.Proc, within_s: float) -> int:
@@ -146,3 +157,50 @@ def test_sigterm_stops_a_service_with_0(service, env, tmp_path):
     assert "SIGTERM received" in log and "stopped (exit 0)" in log and "Traceback" not in log, log
     # Every loop let go of its subscriptions: nothing held the final drain up to its timeout.
     assert "draining connection timed out" not in log, log
+
+
+def test_sigterm_lets_a_replica_finish_the_requests_in_flight(nats_url, tmp_path):
+    replica = next(s for s in SERVICES if s.name == "inference")
+    env = {**service_env(nats_url, tmp_path, "inference"), "LOOPLINE_SERVED_MODEL_NAME": "tiny",
+           "LOOPLINE_MAX_INFLIGHT": "4", "LOOPLINE_ADAPTERS": "false"}
+    proc = launcher.start_service("inference", env, tmp_path / "logs" / "inference.log")
+    try:
+        in_flight, results = asyncio.run(stop_while_generating(proc, replica, env, prompts=12))
+        code = exit_code(proc, runtime.GRACE_S + 15)
+    finally:
+        launcher.kill(proc)
+    log = proc.log_path.read_text(errors="replace")
+    assert code == 0, log
+    assert "finishing" in log and "still in flight after the drain" not in log, log
+    # What it held when told to stop was answered; the rest stays in WORK for another replica.
+    assert in_flight >= 1 and len(results) >= in_flight, (in_flight, len(results))
+    assert all(r.error is None and r.choices[0].text for r in results), results
+
+
+async def stop_while_generating(proc: launcher.Proc, replica: Service, env: dict[str, str],
+                                prompts: int) -> tuple[int, list[ResultItem]]:
+    """Publish work as the gateway does, SIGTERM the replica once it generates, and collect the
+    results stored until it exited: (requests in flight at the signal, results)."""
+    nc = await bus.connect(env["LOOPLINE_NATS_URL"], "service-exit-test")
+    try:
+        await status_of(nc, proc, replica, env)
+        js = nc.jetstream()
+        group = f"stop{time.monotonic_ns()}"
+        for i in range(prompts):
+            item = WorkItem(request_id=f"{group}_{i:09d}", group=group, index=i, model="tiny",
+                            prompt=f"Count slowly from {i} to a hundred:",
+                            sampling=SamplingParams(max_tokens=48))
+            await bus.publish_durable(js, subjects.work(subjects.deployment_key("tiny")),
+                                      item.model_dump_json().encode(), msg_id=item.request_id)
+        while (in_flight := (await status_of(nc, proc, replica, env, 60)).detail["in_flight"]) < 1:
+            await asyncio.sleep(0.05)
+        proc.popen.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(proc.popen.wait, runtime.GRACE_S + 15)
+        sub = await js.subscribe(subjects.results_of_group(group), ordered_consumer=True)
+        results = []
+        with contextlib.suppress(nats.errors.TimeoutError):
+            while True:
+                results.append(ResultItem.model_validate_json((await sub.next_msg(timeout=1)).data))
+        return in_flight, results
+    finally:
+        await nc.close()
