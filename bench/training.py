@@ -325,7 +325,7 @@ def profile_steps(s: Setup, top: int = 12) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from loopline.ml.adapters import io as adapter_io
-    from loopline.ml.train.config import TrainParams
+    from loopline.common.train_params import TrainParams
     from loopline.ml.train.data import IGNORE, collate, tokenize
     from loopline.ml.train.loop import train_step
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -360,8 +360,8 @@ def profile_steps(s: Setup, top: int = 12) -> dict:
         torch.manual_seed(s.seed)
         model = AutoModelForCausalLM.from_pretrained(s.model_path, dtype=torch.float32)
         model.config.use_cache = False
-        model, _ = adapter_io.prepare_model(model, kind, tokenformer=p.tokenformer_config.model_dump(),
-                                            lora=p.lora_config.model_dump(), base_model=s.model_path,
+        model, _ = adapter_io.prepare_model(model, kind, tokenformer=p.tokenformer_config.declared(),
+                                            lora=p.lora_config.declared(), base_model=s.model_path,
                                             seed=s.seed)
         model.train()
         params = [q for q in model.parameters() if q.requires_grad]
@@ -523,7 +523,7 @@ def main() -> int:
     import transformers
 
     from loopline.ml.models.resolve import resolve_model
-    from loopline.ml.train.config import LoraParams
+    from loopline.common.train_params import LoraParams
     from loopline.ml.train.data import tokenize
 
     transformers.logging.set_verbosity_error()  # no load progress bars between the figures

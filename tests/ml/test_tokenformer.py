@@ -15,7 +15,7 @@ from loopline.ml.adapters.io import (
     write_adapter,
 )
 from loopline.ml.adapters.tokenformer import TokenformerLinear, tokenformer_delta, tokenformer_theta
-from loopline.ml.train.config import TokenformerParams
+from loopline.common.train_params import TokenformerParams
 from loopline.ml.train.data import collate, tokenize
 from loopline.ml.train.loop import train_step
 
