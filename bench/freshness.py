@@ -15,7 +15,7 @@ one after another once the previous one has answered:
   loaded      the replica's ``events.adapters.<job>.loaded`` event (its ``time``: when it flipped)
   answered    the first response naming the new step completed at the client
 
-Target: rename -> answered p50 < 1 s on the tiny model (DESIGN §3); ScalarLM's anchor is up to
+Target: rename -> answered p50 < 1 s on the tiny model (the README's closed-loop target); ScalarLM's anchor is up to
 30 s (it polls for new checkpoints every 30 s). The baseline here is that anchor, not a measurement:
 ScalarLM does not run on this machine. All times are one machine's ``time.time()``. It always
 exits 0: the target is reported, not enforced.

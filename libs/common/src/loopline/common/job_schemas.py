@@ -81,7 +81,7 @@ class JobInfo(BaseModel):
     history: list[HistoryPoint] = Field(default_factory=list)
     checkpoints: list[CheckpointInfo] = Field(default_factory=list)
     error: str | None = None
-    # Filled in by the gateway from the served models (issue 4), not by the trainer.
+    # Filled in by the gateway from the served models, not by the trainer.
     deployed: bool = False
 
 

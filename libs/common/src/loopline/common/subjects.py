@@ -16,7 +16,7 @@ EVENTS_STREAM = "EVENTS"
 # JetStream advisories we must not miss while the queue service is down (dead letters).
 ADVISORIES_STREAM = "ADVISORIES"
 
-# Latest checkpoint per job (issue 4): deliver-last-per-subject lets a new replica catch up.
+# Latest checkpoint per job: deliver-last-per-subject lets a new replica catch up.
 CHECKPOINTS_STREAM = "CHECKPOINTS"
 
 # --- object stores -------------------------------------------------------------------------------
@@ -28,7 +28,7 @@ ADAPTERS_BUCKET = "adapters"
 # --- key-value buckets ---------------------------------------------------------------------------
 # deployment key -> DeploymentInfo (written by inference replicas, watched by the gateway)
 MODELS_BUCKET = "MODELS"
-# batch group id -> BatchManifest (written by the gateway before it publishes the batch's work)
+# batch group id -> BatchManifest (written by the gateway once all of the batch's work is stored)
 BATCHES_BUCKET = "BATCHES"
 # job hash -> the checkpoint-watcher's cursor for that job (what it announced, rejected, skipped)
 CHECKPOINT_CURSOR_BUCKET = "CHECKPOINT_CURSOR"

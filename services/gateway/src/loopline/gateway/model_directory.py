@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
@@ -18,6 +17,7 @@ from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 
 from loopline.common import subjects
+from loopline.common.job_hash import is_job_hash
 from loopline.common.schemas import DeploymentInfo
 from loopline.gateway.adapters import AdapterRegistry, ServedAdapter
 from loopline.gateway.errors import ApiError
@@ -29,8 +29,6 @@ log = logging.getLogger(__name__)
 MODELS_REFRESH_S = 2.0
 # How long the 404 for a job hash waits for the trainer to say whether it knows the job.
 JOB_LOOKUP_TIMEOUT_S = 2.0
-# What the trainer names jobs by; such a name that is no served model may be a job not deployed yet.
-_JOB_HASH = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -136,7 +134,7 @@ class ModelDirectory:
         known = ", ".join(sorted(self.served)) or "none yet"
         if name in self.adapters.rejected:
             return f"job {name} is not deployed: {self.adapters.rejected[name]}"
-        if _JOB_HASH.match(name):
+        if is_job_hash(name):
             try:
                 job = await self.trainer.get(name, timeout_s=JOB_LOOKUP_TIMEOUT_S)
             except ApiError:  # unknown job (404), trainer down or slow: not a job we know

@@ -1,4 +1,5 @@
-"""ScalarLM-compatible generate routes (contract: shared/reference/scalarlm-api.md §1).
+"""ScalarLM-compatible generate routes: the requests and response shapes of ScalarLM's own server, as its
+``scalarlm`` client sends and reads them.
 
 Where ScalarLM answers 500 or 200+null for a client mistake, we answer the honest 4xx; where its
 client relies on a behaviour (long-poll with null for "not yet", zero-padded ids), we keep it.

@@ -1,4 +1,5 @@
-"""ScalarLM-compatible training routes (contract: shared/reference/scalarlm-api.md §1 "Training").
+"""ScalarLM-compatible training routes (/v1/megatron/*, as ScalarLM's server answers them and its
+``scalarlm`` client uses them).
 
 Jobs live in the trainer; these routes translate. Where ScalarLM answers 500 (unknown job) or
 200+null (failed cancel), we pass on the trainer's honest status instead.

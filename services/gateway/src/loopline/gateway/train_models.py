@@ -1,5 +1,5 @@
-"""ScalarLM's training response shapes (shared/reference/scalarlm-api.md §1, §3), built from the
-trainer's JobInfo. These are HTTP wire types; JobInfo is what crosses NATS."""
+"""ScalarLM's training response shapes (what its server returns for train, get and list_models),
+built from the trainer's JobInfo. These are HTTP wire types; JobInfo is what crosses NATS."""
 
 from __future__ import annotations
 
