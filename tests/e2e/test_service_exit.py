@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -53,6 +54,15 @@ SERVICES = [
     Service("checkpoint-watcher", "scan", subjects.SVC_CHECKPOINT_WATCHER_STATUS),
     Service("inference", "worker", subjects.SVC_INFERENCE_STATUS),
     Service("gateway", "http", subjects.SVC_GATEWAY_STATUS),
+]
+
+
+# Loops beside the main ones whose death a replica would otherwise hide: a replica whose adapter
+# loader died goes on answering with old versions; a gateway whose model refresh died goes on
+# routing to models that left.
+SIDE_LOOPS = [
+    dataclasses.replace(next(s for s in SERVICES if s.name == "inference"), main_loop="adapter-loads"),
+    dataclasses.replace(next(s for s in SERVICES if s.name == "gateway"), main_loop="models"),
 ]
 
 
@@ -142,6 +152,12 @@ def test_a_service_whose_main_loop_dies_exits_non_zero_by_itself(service, env, t
     assert code == runtime.EXIT_LOOP_DIED != 0, log
     assert "serving: loops" in log and f"loop {service.main_loop} died" in log, log
     assert "Traceback (most recent call last)" in log and f"RuntimeError: {KILLED}" in log, log
+
+
+@pytest.mark.parametrize("side", SIDE_LOOPS, ids=lambda s: f"{s.name}-{s.main_loop}")
+def test_a_service_whose_other_loop_dies_exits_non_zero_too(side, nats_url, tmp_path):
+    env = service_env(nats_url, tmp_path, side.name)
+    test_a_service_whose_main_loop_dies_exits_non_zero_by_itself(side, env, tmp_path)
 
 
 def test_sigterm_stops_a_service_with_0(service, env, tmp_path):

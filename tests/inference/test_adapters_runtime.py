@@ -121,6 +121,8 @@ class Replica:
     async def start(self, tokenizer, *, worker: bool = True) -> None:
         self.prompts = PromptBuilder(tokenizer, self.engine.info.max_model_len)
         await self.manager.start()
+        self.stopping = asyncio.Event()
+        self.loads = asyncio.create_task(self.manager.run(self.stopping))
         self.task = None
         if not worker:
             return
@@ -128,13 +130,13 @@ class Replica:
         self.worker = Worker(self.nats.nc, self.nats.js, self.engine, self.prompts,
                              deployment=self.deployment, replica=self.name, max_inflight=8,
                              ack_wait_s=30, max_deliver=3, adapters=self.manager)
-        self.stopping = asyncio.Event()
         self.task = asyncio.create_task(self.worker.run(self.stopping, drain_s=5))
 
     async def stop(self) -> None:
+        self.stopping.set()
         if self.task is not None:
-            self.stopping.set()
             await self.task
+        await self.loads
         await self.manager.stop()
         await self.engine.stop()
 

@@ -3,7 +3,8 @@
 The checkpoint-watcher announces each job's newest checkpoint on ``checkpoints.<base>.<hash>``
 (the stream keeps the last one per subject). This replica follows those of its base model with an
 ordered push consumer that starts with the last message of every subject (a replica started later
-catches up) and then gets each new one as it is published. A loader task downloads the adapter
+catches up) and then gets each new one as it is published. The loader loop (``run``, the
+replica's ``adapter-loads`` loop) downloads the adapter
 from the object store, unpacks it into a folder of this replica's own, loads it into the engine as
 a new *version*, and only then points the job at it; the replica then announces
 ``events.adapters.<hash>.loaded``.
@@ -91,7 +92,6 @@ class AdapterManager:
         await asyncio.to_thread(shutil.rmtree, self.root, True)
         self.root.mkdir(parents=True, exist_ok=True)
         self._obs = await self.js.object_store(subjects.ADAPTERS_BUCKET)
-        self._spawn(self._load_forever())
         self._sub = await self.js.subscribe(
             subjects.checkpoints_of_base(self.base_model), stream=subjects.CHECKPOINTS_STREAM,
             cb=self._on_announce, ordered_consumer=True,
@@ -150,25 +150,40 @@ class AdapterManager:
             self._queued.add(announce.job_hash)
             self._queue.put_nowait(announce.job_hash)
 
-    async def _load_forever(self) -> None:
-        # Invariant: every job in the queue has an announce newer than its current version, or
-        # had one when queued (_ensure then finds nothing to do). One load at a time: loads are
-        # short, and one at a time keeps the engine's memory and the CPU for serving.
-        while True:
-            job_hash = await self._queue.get()
-            self._queued.discard(job_hash)
-            for attempt in range(LOAD_ATTEMPTS):
-                try:
-                    await self._ensure(job_hash)
-                    break
-                except AdapterUnavailable as exc:
-                    if exc.status != 503:
-                        break  # rejected: the event said why; a newer checkpoint may do better
-                    log.warning("loading %s failed (%s); retrying", job_hash[:12], exc.message)
-                    await asyncio.sleep(0.5 * 2 ** attempt)
-                except Exception:  # noqa: BLE001 - keep loading other jobs whatever happens
-                    log.exception("loading the adapter of %s failed", job_hash[:12])
-                    break
+    async def run(self, stopping: asyncio.Event) -> None:
+        """The replica's ``adapter-loads`` loop: load each announced checkpoint, off the serving
+        path, until ``stopping``. It is a named loop of the runtime, so a loader that dies ends the
+        process: a replica that silently stopped loading would go on answering with old versions."""
+        stopped = asyncio.ensure_future(stopping.wait())
+        try:
+            # Invariant: every job in the queue has an announce newer than its current version, or
+            # had one when queued (_ensure then finds nothing to do). One load at a time: loads are
+            # short, and one at a time keeps the engine's memory and the CPU for serving.
+            while not stopping.is_set():
+                queued = asyncio.ensure_future(self._queue.get())
+                await asyncio.wait({queued, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                if not queued.done():
+                    queued.cancel()
+                    return
+                await self._load_announced(queued.result())
+        finally:
+            stopped.cancel()
+
+    async def _load_announced(self, job_hash: str) -> None:
+        """Load ``job_hash``'s announced checkpoint, retrying what failed for a passing reason."""
+        self._queued.discard(job_hash)
+        for attempt in range(LOAD_ATTEMPTS):
+            try:
+                await self._ensure(job_hash)
+                break
+            except AdapterUnavailable as exc:
+                if exc.status != 503:
+                    break  # rejected: the event said why; a newer checkpoint may do better
+                log.warning("loading %s failed (%s); retrying", job_hash[:12], exc.message)
+                await asyncio.sleep(0.5 * 2 ** attempt)
+            except Exception:  # noqa: BLE001 - keep loading other jobs whatever happens
+                log.exception("loading the adapter of %s failed", job_hash[:12])
+                break
 
     async def _look_up(self, job_hash: str) -> None:
         subject = subjects.checkpoint_subject(self.base_model, job_hash)

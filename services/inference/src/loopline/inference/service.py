@@ -1,9 +1,11 @@
 """One inference replica: load the engine, announce the deployment, run the worker until told to stop.
 
 Loops, under the shared runtime (loopline.common.runtime):
-  worker  WORK (this deployment's consumer) -> engine -> RESULTS, then ack  (worker.py)
-A replica whose worker died serves nothing while it still looks alive: the runtime ends the process
-(exit 1) and its supervisor starts a new one; the requests it held are redelivered.
+  worker         WORK (this deployment's consumer) -> engine -> RESULTS, then ack  (worker.py)
+  adapter-loads  announced checkpoints -> new adapter versions in the engine       (adapters.py)
+A replica whose worker died serves nothing while it still looks alive, and one whose loader died
+serves old versions forever: either ends the process (exit 1, the runtime's policy) and its
+supervisor starts a new one; the requests it held are redelivered.
 """
 
 from __future__ import annotations
@@ -90,4 +92,7 @@ async def run(rt: Runtime, settings: InferenceSettings) -> None:
              engine.info.name, engine.info.max_model_len)
 
     # 5. Serve until told to stop; the requests in flight then get to finish.
-    await rt.serve({"worker": worker.run(rt.stopping)})
+    loops = {"worker": worker.run(rt.stopping)}
+    if adapters is not None:
+        loops["adapter-loads"] = adapters.run(rt.stopping)
+    await rt.serve(loops)
