@@ -61,54 +61,58 @@ async def run_feed(
     stopping: asyncio.Event,
 ) -> None:
     sub = await js.pull_subscribe_bind(feed.durable, feed.stream)
-    # Invariant: a message is acked only after the transaction holding its row has committed (or
-    # termed, when it can never be written). A crash anywhere in between re-delivers it, and the
-    # upserts make the second write a no-op.
-    while not stopping.is_set():
-        try:
-            msgs = await sub.fetch(batch, timeout=FETCH_WAIT_S)
-        except asyncio.TimeoutError:
-            # nats-py raises its own TimeoutError or a bare asyncio one depending on where the
-            # wait ran out; the first subclasses the second.
-            continue
-        except Exception as exc:  # noqa: BLE001 - reconnects surface here; keep pulling
-            log.warning("ledger %s: fetch failed: %s", feed.name, exc)
-            await _sleep_unless(stopping, RETRY_DELAY_S)
-            continue
-
-        items: list[BaseModel] = []
-        good: list[Msg] = []
-        for msg in msgs:
+    # Unsubscribed however the loop ends: a pull subscription left behind by a loop that died
+    # keeps its undelivered messages, and the final drain of the connection waits for them.
+    try:
+        # Invariant: a message is acked only after the transaction holding its row has committed (or
+        # termed, when it can never be written). A crash anywhere in between re-delivers it, and the
+        # upserts make the second write a no-op.
+        while not stopping.is_set():
             try:
-                items.append(feed.schema.model_validate_json(msg.data))
-                good.append(msg)
-            except ValidationError as exc:
-                # Redelivering a payload that cannot parse would only fail again, forever.
-                log.error("ledger %s: dropping unparsable message %s: %s", feed.name, msg.subject, exc)
-                await msg.term()
+                msgs = await sub.fetch(batch, timeout=FETCH_WAIT_S)
+            except asyncio.TimeoutError:
+                # nats-py raises its own TimeoutError or a bare asyncio one depending on where the
+                # wait ran out; the first subclasses the second.
+                continue
+            except Exception as exc:  # noqa: BLE001 - reconnects surface here; keep pulling
+                log.warning("ledger %s: fetch failed: %s", feed.name, exc)
+                await _sleep_unless(stopping, RETRY_DELAY_S)
+                continue
 
-        try:
-            refused = await _write(feed, engine, items, good)
-        except Exception:  # noqa: BLE001 - the database may be restarting; let JetStream retry
-            log.exception(
-                "ledger %s: writing %d rows failed; they will be redelivered", feed.name, len(items)
-            )
+            items: list[BaseModel] = []
+            good: list[Msg] = []
+            for msg in msgs:
+                try:
+                    items.append(feed.schema.model_validate_json(msg.data))
+                    good.append(msg)
+                except ValidationError as exc:
+                    # Redelivering a payload that cannot parse would only fail again, forever.
+                    log.error("ledger %s: dropping unparsable message %s: %s", feed.name, msg.subject, exc)
+                    await msg.term()
+
+            try:
+                refused = await _write(feed, engine, items, good)
+            except Exception:  # noqa: BLE001 - the database may be restarting; let JetStream retry
+                log.exception(
+                    "ledger %s: writing %d rows failed; they will be redelivered", feed.name, len(items)
+                )
+                for msg in good:
+                    await msg.nak(delay=RETRY_DELAY_S)
+                await _sleep_unless(stopping, RETRY_DELAY_S)
+                continue
+
+            refused_ids = {id(msg) for msg in refused}
             for msg in good:
-                await msg.nak(delay=RETRY_DELAY_S)
-            await _sleep_unless(stopping, RETRY_DELAY_S)
-            continue
-
-        refused_ids = {id(msg) for msg in refused}
-        for msg in good:
-            if id(msg) in refused_ids:
-                await msg.term()
-            else:
-                await msg.ack()
-        if len(msgs) < batch:
-            # Caught up: let the next rows gather instead of writing them a few at a time while
-            # a burst is still arriving; bigger transactions cost the shared CPU less per row.
-            await _sleep_unless(stopping, linger_s)
-    await sub.unsubscribe()
+                if id(msg) in refused_ids:
+                    await msg.term()
+                else:
+                    await msg.ack()
+            if len(msgs) < batch:
+                # Caught up: let the next rows gather instead of writing them a few at a time while
+                # a burst is still arriving; bigger transactions cost the shared CPU less per row.
+                await _sleep_unless(stopping, linger_s)
+    finally:
+        await sub.unsubscribe()
 
 
 async def _write(feed: Feed, engine: Engine, items: list, msgs: list[Msg]) -> list[Msg]:
