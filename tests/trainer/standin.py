@@ -1,14 +1,25 @@
-"""A stand-in for ``python -m loopline.ml.train --job-dir DIR`` in the trainer's tests: it keeps the
-training program's job-directory contract (reads config.json; writes status.json atomically,
-appends events.jsonl, renames checkpoints/step-%08d into place, resumes from the newest one, and on
-SIGTERM checkpoints, leaves status TRAINING and exits 143) without torch, in a fraction of a second.
+"""A stand-in for ``python -m loopline.ml.train --job-dir DIR`` in the trainer's (and the gateway's)
+tests: the training program with its training loop swapped for a few sleeps, so a job runs in a
+fraction of a second without torch.
 
-Params it reads (besides max_steps and steps_per_checkpoint):
+Product code, so it cannot drift from what the real program does to the job directory:
+  - the program around the loop (``loopline.ml.train.__main__.run_program``): SIGTERM asks the loop
+    to stop, an exception ends the job FAILED with a ``failed`` event naming it;
+  - config.json read by ``JobConfig``; status.json and events.jsonl written by ``JobReporter``
+    (resume_from, step, write, event) as ``loop.run_job`` does;
+  - checkpoints published, pruned and found by ``checkpoint_folders`` (temp folder, rename into
+    ``checkpoints/step-%08d``, keep the newest ``max_checkpoints_to_keep``, resume from the newest).
+Stand-in: ``run_standin`` in place of ``loop.run_job`` (its step is a sleep, its loss 1/(step+1), and
+its checkpoint files hold a line of JSON, not tensors), the exit statuses of the loop (loop.py's
+EXIT_COMPLETED and EXIT_PREEMPTED: importing it would import torch), and the switches below.
+
+Params it reads, besides TrainParams' max_steps, steps_per_checkpoint, max_checkpoints_to_keep:
   standin_step_s   seconds per step (default 0.05)
-  standin_fail     fail at step 1 with this error (status FAILED, a failed event, exit 1)
+  standin_fail     raise "<Name>: <message>" at the start (the job FAILED with exactly that error)
   standin_crash    exit 1 at once, writing nothing (a broken environment)
-Each start appends "start <step> rank <rank>/<world>" to DIR/runs.txt, so a test can see resumption.
-Only rank 0 writes the job's files when it runs as several ranks (srun or torchrun).
+Each start appends "start <step> rank <rank>/<world>" to DIR/runs.txt, so a test can see resumption,
+and prints its progress to stdout (the launcher's log of the run). Only rank 0 writes the job's
+files when it runs as several ranks (srun or torchrun), as loopline.ml.parallel does.
 """
 
 from __future__ import annotations
@@ -19,101 +30,110 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from loopline.common.job_layout import (CHECKPOINTS_DIR, CONFIG_FILE, EVENTS_FILE, STATUS_FILE,
-                                        checkpoint_name, checkpoint_step, checkpoint_temp_prefix)
+from loopline.common.train_params import JobConfig
+from loopline.ml.train.__main__ import run_program
+from loopline.ml.train.checkpoint_folders import (CHECKPOINT_FILES, latest_checkpoint, publish_checkpoint,
+                                                  remove_leftovers)
+from loopline.ml.train.status import JobReporter
+
+RUNS_FILE = "runs.txt"
+EXIT_COMPLETED, EXIT_PREEMPTED = 0, 143  # loop.py's, spelled here because loop.py imports torch
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--job-dir", type=Path, required=True)
     job_dir = parser.parse_args().job_dir
-    stop = {"term": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(term=True))
-
-    params = json.loads((job_dir / CONFIG_FILE).read_text())["params"]
-    rank = int(os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")))
-    world = int(os.environ.get("SLURM_NTASKS", os.environ.get("WORLD_SIZE", "1")))
-    max_steps = int(params.get("max_steps", 5))
-    every = int(params.get("steps_per_checkpoint", 2))
-    step_s = float(params.get("standin_step_s", 0.05))
-    if params.get("standin_crash"):
+    extra = JobConfig.read(job_dir).params.model_extra or {}
+    if extra.get("standin_crash"):
         print("standin: crashing on purpose", flush=True)
         return 1
+    if rank_and_world()[0] != 0:
+        return follow_along(job_dir)
+    return run_program(job_dir, run_standin)
 
-    checkpoints = job_dir / CHECKPOINTS_DIR
-    found = (checkpoint_step(p.name) for p in checkpoints.iterdir()) if checkpoints.is_dir() else ()
-    done = sorted(step for step in found if step is not None)
-    step = done[-1] if done else 0
-    with open(job_dir / "runs.txt", "a") as runs:
+
+def rank_and_world() -> tuple[int, int]:
+    rank = int(os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")))
+    return rank, int(os.environ.get("SLURM_NTASKS", os.environ.get("WORLD_SIZE", "1")))
+
+
+def note_start(job_dir: Path, step: int) -> None:
+    rank, world = rank_and_world()
+    with open(job_dir / RUNS_FILE, "a") as runs:
         runs.write(f"start {step} rank {rank}/{world}\n")
-    print(f"standin rank {rank}/{world}: starting at step {step} of {max_steps}", flush=True)
-    if rank != 0:
-        while step < max_steps and not stop["term"]:
-            time.sleep(step_s)
-            step += 1
-        return 143 if stop["term"] else 0
+    print(f"standin rank {rank}/{world}: starting at step {step}", flush=True)
 
-    previous = _read(job_dir / STATUS_FILE)
-    status = {
-        "status": "TRAINING", "step": step, "max_steps": max_steps, "epoch": 0.0,
-        "loss": None, "started_at": previous.get("started_at") or time.time(), "error": None,
-        "history": [p for p in previous.get("history", []) if p["step"] <= step],
-    }
 
-    def write_status(**changes) -> None:
-        status.update(changes, updated_at=time.time())
-        tmp = job_dir / f".{STATUS_FILE}.tmp"
-        tmp.write_text(json.dumps(status))
-        os.replace(tmp, job_dir / STATUS_FILE)
+def follow_along(job_dir: Path) -> int:
+    """A rank other than 0: steps in time with rank 0 and writes nothing but its start."""
+    stop = {"term": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(term=True))
+    p = JobConfig.read(job_dir).params
+    found = latest_checkpoint(job_dir)
+    step = found[0] if found else 0
+    note_start(job_dir, step)
+    # Invariant: `step` steps are done; a SIGTERM ends the run before the next one.
+    while step < p.max_steps and not stop["term"]:
+        time.sleep(float((p.model_extra or {}).get("standin_step_s", 0.05)))
+        step += 1
+    return EXIT_PREEMPTED if stop["term"] else EXIT_COMPLETED
 
-    def event(kind: str, **fields) -> None:
-        with open(job_dir / EVENTS_FILE, "a") as f:
-            f.write(json.dumps({"kind": kind, "time": time.time(), **fields}) + "\n")
 
-    def checkpoint() -> None:
-        final = checkpoints / checkpoint_name(step)
-        if final.exists():
-            return
-        tmp = checkpoints / checkpoint_temp_prefix(step)
-        tmp.mkdir(parents=True, exist_ok=True)
-        (tmp / "state.json").write_text(json.dumps({"step": step}))
-        os.replace(tmp, final)
-        event("checkpoint", step=step, path=f"{CHECKPOINTS_DIR}/{final.name}", created_at=time.time())
+def run_standin(job_dir: Path, config: JobConfig, reporter: JobReporter,
+                stop_requested: Callable[[], bool]) -> int:
+    """What ``loop.run_job`` does to the job directory, with a sleep for each step."""
+    p = config.params
+    extra = p.model_extra or {}
+    step_s = float(extra.get("standin_step_s", 0.05))
+    reporter.status["max_steps"] = p.max_steps
+    remove_leftovers(job_dir)
+    resumed_from = latest_checkpoint(job_dir)
+    step = resumed_from[0] if resumed_from else 0
+    note_start(job_dir, step)
+    if extra.get("standin_fail"):
+        name, _, message = str(extra["standin_fail"]).partition(": ")
+        raise type(name, (Exception,), {})(message)  # run_program reports it as "<name>: <message>"
 
-    if params.get("standin_fail"):
-        write_status(status="FAILED", error=params["standin_fail"])
-        event("failed", step=step, error=params["standin_fail"])
-        return 1
+    reporter.resume_from(step, 0.0, 0)
+    reporter.write(status="TRAINING", error=None)
+    reporter.event("started", step=step, max_steps=p.max_steps, adapter_type=p.adapter_type,
+                   resumed_from=str(resumed_from[1].relative_to(job_dir)) if resumed_from else None)
 
-    write_status()
-    event("started", step=step, max_steps=max_steps)
-    while step < max_steps:
-        if stop["term"]:
-            checkpoint()
-            write_status(status="TRAINING")
-            print("standin: SIGTERM, checkpointed", flush=True)
-            return 143
+    def save() -> None:
+        def write(folder: Path) -> None:
+            for name in CHECKPOINT_FILES:
+                (folder / name).write_text(json.dumps({"step": step, "standin": True}) + "\n")
+
+        path = publish_checkpoint(job_dir, step, write, p.max_checkpoints_to_keep)
+        reporter.event("checkpoint", step=step, path=str(path.relative_to(job_dir)), created_at=time.time())
+
+    last_checkpoint = step
+    # Invariant: `step` steps are done and reported; a checkpoint holds every multiple of
+    # steps_per_checkpoint up to it.
+    while step < p.max_steps and not stop_requested():
         time.sleep(step_s)
         step += 1
-        loss = 1.0 / (step + 1)
-        status["history"].append({"step": step, "loss": loss, "epoch": 0.0, "time": step * step_s})
-        write_status(step=step, loss=loss)
-        event("progress", step=step, max_steps=max_steps, loss=loss, learning_rate=0.001, epoch=0.0)
-        if step % every == 0:
-            checkpoint()
-    write_status(status="COMPLETED")
-    event("completed", step=step, loss=status["loss"])
+        reporter.step(step=step, loss=1.0 / (step + 1), learning_rate=0.001, tokens_per_s=0.0, epoch=0.0,
+                      train_seconds=step * step_s, skipped_steps=0, grad_norm=0.0)
+        print(f"standin: step {step} of {p.max_steps}", flush=True)
+        if step % p.steps_per_checkpoint == 0 or step == p.max_steps:
+            save()
+            last_checkpoint = step
+
+    if step < p.max_steps:
+        if step > last_checkpoint:
+            save()
+        reporter.write(status="TRAINING")
+        print(f"standin: SIGTERM, checkpointed at step {step}", flush=True)
+        return EXIT_PREEMPTED
+    reporter.write(status="COMPLETED")
+    reporter.event("completed", step=step, loss=reporter.status["loss"])
     print("standin: completed", flush=True)
-    return 0
-
-
-def _read(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    return EXIT_COMPLETED
 
 
 if __name__ == "__main__":

@@ -12,9 +12,20 @@ import logging
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loopline.common.train_params import JobConfig
+
+    from .status import JobReporter
 
 EXIT_FAILED = 1
+
+
+# What a job's training is: (job_dir, config, reporter, stop_requested) -> exit status.
+RunJob = Callable[[Path, "JobConfig", "JobReporter", Callable[[], bool]], int]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_program(args.job_dir)
+
+
+def run_program(job_dir: Path, run_job: RunJob | None = None) -> int:
+    """Run the job in ``job_dir`` with ``run_job`` (the training loop, ``loop.run_job``, unless a
+    test's stand-in program passes its own): SIGTERM asks it to stop, a failure ends the job FAILED
+    with its reason."""
     log = logging.getLogger("loopline.ml.train")
 
     # Slurm sends TERM before a time limit or on preemption: finish the step, checkpoint, exit 143.
@@ -38,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
 
-    job_dir = args.job_dir.resolve()
+    job_dir = job_dir.resolve()
     if not job_dir.is_dir():
         log.error("job directory %s does not exist", job_dir)
         return EXIT_FAILED
@@ -46,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     # Imported after the handler is in place: torch and transformers take seconds to import.
     from loopline.common.train_params import JobConfig
 
-    from .loop import run_job
     from .status import JobReporter
+
+    if run_job is None:
+        from .loop import run_job
 
     reporter = JobReporter(job_dir)
     try:
