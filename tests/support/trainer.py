@@ -1,48 +1,54 @@
-"""A client for the trainer's API and events in tests: what the gateway does, in a few lines."""
+"""The trainer's API and events for tests, through the product's own parts: requests and refusals by
+loopline.common.service_client (the client the gateway wraps), datasets read as the gateway reads
+them (training_archive), job hashes as the gateway makes them (job_hash over canonical params)."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 import json
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import nats.errors
 from nats.js.api import DeliverPolicy
-from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from loopline.common import subjects
+from loopline.common.job_hash import job_hash
 from loopline.common.job_schemas import JobEvent, JobInfo, JobRef
+from loopline.common.service_client import ServiceClient
+from loopline.common.train_params import TrainParams, canonical
+from loopline.common.training_archive import read_training_archive
 
 DATASET = b'{"input": "What is 2+2?", "output": " 4"}\n{"input": "Capital of France?", "output": " Paris"}\n'
 
 
-class Refused(Exception):
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+def submit_hash(params: Mapping[str, Any], dataset_sha256: str, code_sha256: str | None) -> str:
+    """The job hash the gateway gives these params (train_submit.py): over their canonical form.
+    Params TrainParams refuses have none (the gateway stops them first); a test that sends them to
+    the trainer anyway names the job by the same function over the params as given."""
+    try:
+        hashed = canonical(TrainParams.model_validate(params))
+    except ValidationError:
+        hashed = dict(params)
+    return job_hash(hashed, dataset_sha256, code_sha256)
 
 
 class TrainerClient:
-    """What the gateway does, in a few lines: datasets into the object store, svc.trainer.*
-    requests, and an ordered consumer on a job's events."""
+    """Datasets into the object store, svc.trainer.* requests, and an ordered consumer on a job's
+    events, as the gateway does them."""
 
-    def __init__(self, nc):
+    def __init__(self, nc, timeout_s: float = 30.0):
         self.nc = nc
         self.js = nc.jetstream()
+        self.service = ServiceClient(nc, "trainer", timeout_s)
 
-    async def call(self, subject: str, body: BaseModel | dict | None = None, timeout_s: float = 30.0) -> dict:
-        if isinstance(body, BaseModel):
-            payload = body.model_dump_json().encode()
-        else:
-            payload = json.dumps(body or {}).encode()
-        msg = await self.nc.request(subject, payload, timeout=timeout_s)
-        headers = msg.headers or {}
-        if headers.get(ERROR_CODE_HEADER):
-            raise Refused(headers[ERROR_CODE_HEADER], headers.get(ERROR_HEADER, ""))
-        return json.loads(msg.data)
+    async def call(self, subject: str, body: BaseModel | Mapping[str, Any] | None = None) -> Any:
+        """The answer as plain JSON (a test may send what the wire types would refuse)."""
+        return json.loads(await self.service.request(subject, body))
 
     async def put(self, content: bytes) -> str:
         sha = hashlib.sha256(content).hexdigest()
@@ -51,18 +57,20 @@ class TrainerClient:
         return sha
 
     async def submit(self, params: dict, dataset: bytes = DATASET, code: bytes | None = None) -> JobInfo:
-        dataset_sha = await self.put(dataset)
+        # Named, sized and counted as the gateway does it for a plain jsonlines upload.
+        with read_training_archive(io.BytesIO(dataset), len(dataset), max_members=1) as read:
+            dataset_sha, dataset_bytes, examples = read.dataset_sha256, read.dataset_bytes, read.examples
+        assert await self.put(dataset) == dataset_sha
         code_sha = await self.put(code) if code is not None else None
-        whole = json.dumps({"params": params, "dataset": dataset_sha, "code": code_sha}, sort_keys=True)
         # A JobSubmit's fields as a plain dict: params go as given, so that the trainer's own
         # refusal of a bad one is what a test sees (JobSubmit would refuse it here).
-        request = {"job_hash": hashlib.sha256(whole.encode()).hexdigest(), "params": params,
-                   "dataset_sha256": dataset_sha, "dataset_bytes": len(dataset),
-                   "examples": dataset.count(b"\n"), "code_sha256": code_sha}
-        return JobInfo.model_validate(await self.call(subjects.SVC_TRAINER_SUBMIT, request))
+        request = {"job_hash": submit_hash(params, dataset_sha, code_sha), "params": params,
+                   "dataset_sha256": dataset_sha, "dataset_bytes": dataset_bytes, "examples": examples,
+                   "code_sha256": code_sha}
+        return await self.service.call(subjects.SVC_TRAINER_SUBMIT, request, JobInfo)
 
     async def job(self, subject: str, ref: str) -> JobInfo:
-        return JobInfo.model_validate(await self.call(subject, JobRef(job=ref)))
+        return await self.service.call(subject, JobRef(job=ref), JobInfo)
 
     async def get(self, ref: str) -> JobInfo:
         return await self.job(subjects.SVC_TRAINER_GET, ref)
@@ -90,6 +98,7 @@ class TrainerClient:
         events: list[JobEvent] = []
         deadline = time.monotonic() + timeout_s
         try:
+            # Invariant: `events` are the job's first len(events) events, in stream order.
             while until is not None or len(events) < stored:
                 try:
                     msg = await sub.next_msg(timeout=max(0.05, deadline - time.monotonic()))

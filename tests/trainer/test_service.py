@@ -18,8 +18,9 @@ from loopline.common import subjects
 from loopline.common.job_layout import (CHECKPOINTS_DIR, DATASET_FILE, ENTRYPOINT_FILE, EVENTS_FILE,
                                         checkpoint_name)
 from loopline.common.job_schemas import ClusterInfo, JobList, JobSubmit, LogLines, SqueueReply
+from loopline.common.service_client import ServiceError
 
-from support.trainer import DATASET, Refused
+from support.trainer import DATASET
 
 
 async def test_a_job_runs_and_its_events_arrive_in_order(launcher_kind, start_trainer, client, jobs_dir):
@@ -64,16 +65,16 @@ async def test_a_job_runs_and_its_events_arrive_in_order(launcher_kind, start_tr
                                                      {"job": "latest", "starting_line_number": 1}))
     assert [line.line for line in tail.lines] == [line.line for line in logs.lines[1:]]
 
-    with pytest.raises(Refused) as refused:
+    with pytest.raises(ServiceError) as refused:
         await client.job(subjects.SVC_TRAINER_RESTART, info.job_hash)
-    assert refused.value.code == "409"
+    assert refused.value.status == 409
 
     deleted = await client.job(subjects.SVC_TRAINER_DELETE, info.job_hash)
     assert deleted.job_hash == info.job_hash
     assert not job_dir.exists()
-    with pytest.raises(Refused) as refused:
+    with pytest.raises(ServiceError) as refused:
         await client.get(info.job_hash)
-    assert refused.value.code == "404"
+    assert refused.value.status == 404
     assert await client.events(info.job_hash) == []
 
 
@@ -185,26 +186,26 @@ async def test_a_run_that_keeps_dying_without_progress_fails_the_job(start_train
 async def test_requests_that_are_refused(start_trainer, client, jobs_dir):
     await start_trainer("local")
 
-    async def refused(subject: str, body) -> str:
-        with pytest.raises(Refused) as caught:
+    async def refused(subject: str, body) -> int:
+        with pytest.raises(ServiceError) as caught:
             await client.call(subject, body)
-        return caught.value.code
+        return caught.value.status
 
-    assert await refused(subjects.SVC_TRAINER_GET, {"job": "0123abcd"}) == "404"
-    assert await refused(subjects.SVC_TRAINER_GET, {"job": "latest"}) == "404"
-    assert await refused(subjects.SVC_TRAINER_CANCEL, {"job": "nope"}) == "404"
-    assert await refused(subjects.SVC_TRAINER_GET, {"nojob": 1}) == "422"
+    assert await refused(subjects.SVC_TRAINER_GET, {"job": "0123abcd"}) == 404
+    assert await refused(subjects.SVC_TRAINER_GET, {"job": "latest"}) == 404
+    assert await refused(subjects.SVC_TRAINER_CANCEL, {"job": "nope"}) == 404
+    assert await refused(subjects.SVC_TRAINER_GET, {"nojob": 1}) == 422
     for params in ({"tensor_parallel": "two"}, {"adapter_type": "dora"}, {"timeout": -1}, {"max_steps": 0}):
-        with pytest.raises(Refused) as caught:
+        with pytest.raises(ServiceError) as caught:
             await client.submit(params)
-        assert caught.value.code == "422", params
+        assert caught.value.status == 422, params
     dataset = await client.put(DATASET)
     first, second = "abc1" + "0" * 60, "abc2" + "0" * 60
     bad_hash = {"job_hash": "../../etc", "params": {}, "dataset_sha256": dataset, "dataset_bytes": 1,
                 "examples": 1}
-    assert await refused(subjects.SVC_TRAINER_SUBMIT, bad_hash) == "422"
+    assert await refused(subjects.SVC_TRAINER_SUBMIT, bad_hash) == 422
     missing = JobSubmit(job_hash=first, params={}, dataset_sha256="0" * 64, dataset_bytes=1, examples=1)
-    assert await refused(subjects.SVC_TRAINER_SUBMIT, missing) == "422"
+    assert await refused(subjects.SVC_TRAINER_SUBMIT, missing) == 422
     assert not (jobs_dir / first).exists()
 
     # A prefix names a job only when it names one.
@@ -212,7 +213,7 @@ async def test_requests_that_are_refused(start_trainer, client, jobs_dir):
         await client.call(subjects.SVC_TRAINER_SUBMIT, JobSubmit(
             job_hash=job_hash, params={"max_steps": 1}, dataset_sha256=dataset, dataset_bytes=1, examples=1))
     assert (await client.get("abc2")).job_hash == second
-    assert await refused(subjects.SVC_TRAINER_GET, {"job": "abc"}) == "422"
+    assert await refused(subjects.SVC_TRAINER_GET, {"job": "abc"}) == 422
     assert (await client.get("latest")).job_hash == second
     listed = JobList.model_validate(await client.call(subjects.SVC_TRAINER_LIST))
     assert [j.job_hash for j in listed.jobs] == [second, first]  # newest first
@@ -237,9 +238,9 @@ async def test_user_code_is_refused_unless_allowed_and_unsafe_archives_always(st
                                                                                jobs_dir):
     good = code_tar({"ml/loopline_user/__init__.py": b"VALUE = 42\n"})
     proc = await start_trainer("local")
-    with pytest.raises(Refused) as caught:
+    with pytest.raises(ServiceError) as caught:
         await client.submit({"max_steps": 1}, code=good)
-    assert caught.value.code == "403" and "user code" in caught.value.message
+    assert caught.value.status == 403 and "user code" in caught.value.message
     assert [p.name for p in jobs_dir.iterdir() if not p.name.startswith(".")] == []
     processes.stop(proc)
 
@@ -248,9 +249,9 @@ async def test_user_code_is_refused_unless_allowed_and_unsafe_archives_always(st
                 code_tar({"ml/ok.py": b"x"}, links={"ml/out": "/etc"}),
                 code_tar({"ml/ok.py": b"x"}, links={"ml/up": "../../.."}),
                 code_tar({"not-ml/x.py": b"x"})):
-        with pytest.raises(Refused) as caught:
+        with pytest.raises(ServiceError) as caught:
             await client.submit({"max_steps": 1}, code=bad)
-        assert caught.value.code == "422", caught.value.message
+        assert caught.value.status == 422, caught.value.message
     assert [p.name for p in jobs_dir.iterdir() if not p.name.startswith(".")] == []
     assert not (jobs_dir.parent / "escaped.py").exists()
 

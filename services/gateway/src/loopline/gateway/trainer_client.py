@@ -1,22 +1,20 @@
 """The gateway's one way to ask the trainer: its request-reply API (svc.trainer.*), the ``datasets``
 object store, and the job events users follow.
 
-The trainer answers errors through nats.micro's error headers with an HTTP status as the code; they
-become the same HTTP status here. No trainer running is a 503, a trainer too slow a 504.
+The requests go through loopline.common.service_client, the one client the tests use too: the
+trainer's refusals (nats.micro error headers, an HTTP status as the code) become the same HTTP
+status here, no trainer running a 503, a trainer too slow a 504.
 """
 
 from __future__ import annotations
 
-import asyncio
-from typing import IO, TypeVar
+from typing import IO
 
 from nats.aio.client import Client as NATS
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from nats.js.errors import ObjectNotFoundError
-from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from loopline.common import subjects
 from loopline.common.job_schemas import (
@@ -29,9 +27,9 @@ from loopline.common.job_schemas import (
     LogsRequest,
     SqueueReply,
 )
+from loopline.common.service_client import Reply, ServiceClient, ServiceError
 from loopline.gateway.errors import ApiError
 
-Reply = TypeVar("Reply", bound=BaseModel)
 # A submit has the trainer read the dataset back and call sbatch: give it longer than a query.
 SUBMIT_TIMEOUT_FACTOR = 4
 
@@ -41,32 +39,17 @@ class TrainerClient:
         self.nc = nc
         self.js = js
         self.timeout_s = timeout_s
+        self.service = ServiceClient(nc, "trainer", timeout_s)
         self._datasets = None  # the object store, opened at the first upload
 
     # --- request-reply ------------------------------------------------------------------------------
     async def call(self, subject: str, body: BaseModel | None, reply: type[Reply],
                    timeout_s: float | None = None) -> Reply:
-        payload = body.model_dump_json().encode() if body is not None else b"{}"
-        timeout_s = timeout_s or self.timeout_s
         try:
-            msg = await self.nc.request(subject, payload, timeout=timeout_s)
-        except NoRespondersError as exc:
-            raise ApiError(503, f"the trainer is not running (nobody answers {subject}); retry later",
-                           headers={"Retry-After": "5"}) from exc
-        except (NatsTimeoutError, asyncio.TimeoutError) as exc:
-            raise ApiError(504, f"the trainer did not answer {subject} within {timeout_s:g} s") from exc
-        except Exception as exc:  # noqa: BLE001 - connection closed or reconnecting
-            raise ApiError(503, f"the message bus is unavailable ({type(exc).__name__}); retry",
-                           headers={"Retry-After": "1"}) from exc
-        headers = msg.headers or {}
-        code = headers.get(ERROR_CODE_HEADER)
-        if code:
-            status = int(code) if code.isdigit() and 400 <= int(code) <= 599 else 502
-            raise ApiError(status, headers.get(ERROR_HEADER) or f"the trainer answered error {code}")
-        try:
-            return reply.model_validate_json(msg.data)
-        except ValidationError as exc:
-            raise ApiError(502, f"the trainer's answer to {subject} is malformed: {exc}") from exc
+            return await self.service.call(subject, body, reply, timeout_s)
+        except ServiceError as exc:
+            retry = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+            raise ApiError(exc.status, exc.message, headers=retry) from exc
 
     async def get(self, job: str, timeout_s: float | None = None) -> JobInfo:
         return await self.call(subjects.SVC_TRAINER_GET, JobRef(job=job), JobInfo, timeout_s)
