@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import serving  # noqa: E402 - after the path and environment it needs
+import serving  # after the path and environment it needs
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:

@@ -181,8 +181,12 @@ def run_baseline(s: Setup, repeat: int) -> Run:
     import torch
     from peft import LoraConfig, get_peft_model
     from torch.utils.data import DataLoader
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq,
-                              get_linear_schedule_with_warmup)
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        DataCollatorForSeq2Seq,
+        get_linear_schedule_with_warmup,
+    )
 
     run = Run(BASELINE, repeat)
     t0 = time.perf_counter()
@@ -323,12 +327,12 @@ def profile_steps(s: Setup, top: int = 12) -> dict:
     model and batches, and ours with Tokenformer. Used to explain a ratio away from 1."""
     import torch
     from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from loopline.ml.adapters import io as adapter_io
     from loopline.common.train_params import TrainParams
+    from loopline.ml.adapters import io as adapter_io
     from loopline.ml.train.data import IGNORE, collate, tokenize
     from loopline.ml.train.loop import train_step
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     def baseline_step(model, batches, optimizer, params):
         n_items = sum(int((b.labels[:, 1:] != IGNORE).sum()) for b in batches)
@@ -522,8 +526,8 @@ def main() -> int:
     import torch
     import transformers
 
-    from loopline.ml.models.resolve import resolve_model
     from loopline.common.train_params import LoraParams
+    from loopline.ml.models.resolve import resolve_model
     from loopline.ml.train.data import tokenize
 
     transformers.logging.set_verbosity_error()  # no load progress bars between the figures

@@ -25,6 +25,7 @@ import socket
 import sys
 
 import nats
+
 from loopline.common import subjects
 
 SERVICES = {

@@ -108,7 +108,7 @@ class Heard:
         self.rejected: list[AdapterEvent] = []
         self._changed = asyncio.Event()
 
-    async def start(self) -> "Heard":
+    async def start(self) -> Heard:
         async def on_announce(msg) -> None:
             self.announced.append((time.time(), msg.subject,
                                    CheckpointAnnounce.model_validate_json(msg.data)))
@@ -138,7 +138,7 @@ class Heard:
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), min(left, 0.2))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return value
 

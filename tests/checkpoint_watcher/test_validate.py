@@ -12,8 +12,13 @@ import pytest
 from loopline.checkpoint_watcher import pack, validate, watch
 from loopline.checkpoint_watcher.validate import Rejected
 from loopline.common.adapter_format import CONFIG_FILE, WEIGHTS_FILE
-from loopline.common.job_layout import (CHECKPOINTS_DIR, STATUS_FILE, TRAINING_STATE_FILE, checkpoint_name,
-                                        checkpoint_temp_prefix)
+from loopline.common.job_layout import (
+    CHECKPOINTS_DIR,
+    STATUS_FILE,
+    TRAINING_STATE_FILE,
+    checkpoint_name,
+    checkpoint_temp_prefix,
+)
 
 
 @pytest.fixture

@@ -11,8 +11,9 @@ import re
 from pathlib import Path
 
 import pytest
-from loopline.common import settings, settings_doc, subjects
 from pydantic_settings import BaseSettings
+
+from loopline.common import settings, settings_doc, subjects
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -7,8 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from loopline.common.job_schemas import JobInfo, JobStatus
-from loopline.common.train_params import (TOKENFORMER_TARGET_MODULES, JobConfig, TrainParams,
-                                          canonical)
+from loopline.common.train_params import TOKENFORMER_TARGET_MODULES, JobConfig, TrainParams, canonical
 
 
 def test_defaults_nulls_and_unknown_keys():

@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from support.deploy import CHART_VALUES, COMPOSE_STACKS, ROOT, Tools, compose_config, render_chart
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from support.deploy import COMPOSE, COMPOSE_GPU, COMPOSE_STACKS, DOCKERFILE, ROOT, dockerfile_stages
 
 TRAINING = ("trainer", "slurm-compute", "checkpoint-watcher")

@@ -7,6 +7,7 @@ import re
 import tomllib
 
 import pytest
+
 from support.deploy import DOCKERFILE, ROOT, dockerfile_stages, image_user, stage_chain
 
 STAGES = dockerfile_stages(DOCKERFILE.read_text())

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 import pytest
+
 from loopline.common import settings as settings_module
 from support.deploy import (
     CHART_VALUES,

@@ -10,8 +10,9 @@ import subprocess
 import sys
 
 import nats
-from loopline.common import subjects
 from nats.micro import add_service
+
+from loopline.common import subjects
 from support.deploy import ROOT
 
 SCRIPT = ROOT / "deploy" / "docker" / "healthcheck.py"

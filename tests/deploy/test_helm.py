@@ -11,6 +11,7 @@ import subprocess
 
 import nats
 import pytest
+
 from loopline.common import launcher
 from support.deploy import (
     CHART_VALUES,
@@ -60,7 +61,7 @@ def test_the_validator_rejects_a_broken_manifest(tools, charts):
     out = tools.run(tools.python, str(CHECK_CHART), "validate", stdin=json.dumps([deployment]))
     assert out.returncode == 0, out.stderr
     errors = json.loads(out.stdout)
-    assert len(errors) == 1 and "Deployment/demo-loopline-gateway" == errors[0]["object"]
+    assert len(errors) == 1 and errors[0]["object"] == "Deployment/demo-loopline-gateway"
 
 
 def test_helm_lint_strict(tools):

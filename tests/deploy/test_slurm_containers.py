@@ -10,6 +10,7 @@ import shutil
 import subprocess
 
 import pytest
+
 from support.deploy import ROOT
 
 SCRIPT = ROOT / "tests" / "deploy" / "slurm_containers.sh"

@@ -144,7 +144,7 @@ async def run_load(stack, tiny) -> tuple[list[Answer], dict[int, str], dict[int,
             async with newest_seen:  # the previous version has answered (or 30 s went by)
                 try:
                     await asyncio.wait_for(newest_seen.wait_for(lambda: step - 1 in served), 30)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             await asyncio.sleep(EXTRA_LOAD_S)
             written[step] = await asyncio.to_thread(
@@ -152,7 +152,7 @@ async def run_load(stack, tiny) -> tuple[list[Answer], dict[int, str], dict[int,
         async with newest_seen:  # keep the load on until the last version has answered
             try:
                 await asyncio.wait_for(newest_seen.wait_for(lambda: steps[-1] in served), 30)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         await asyncio.sleep(EXTRA_LOAD_S)
         stop.set()

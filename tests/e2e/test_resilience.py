@@ -8,7 +8,6 @@ import time
 
 import httpx
 import nats
-import pytest
 
 from loopline.common import launcher, subjects
 from support.stacks import make_stack

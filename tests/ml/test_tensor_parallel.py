@@ -19,12 +19,18 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (the ml package's megatron extra)")
 
-from loopline.common.adapter_format import WEIGHTS_FILE  # noqa: E402
-from loopline.common.job_layout import (CHECKPOINTS_DIR, CONFIG_FILE, DATASET_FILE, EVENTS_FILE,  # noqa: E402
-                                        STATUS_FILE, checkpoint_name)
-from loopline.common.launcher import free_port  # noqa: E402
-from loopline.ml.parallel.distributed import first_slurm_host, launch_from_env, slurm_port  # noqa: E402
-from loopline.ml.parallel.sharding import Shard, to_full, to_local  # noqa: E402
+from loopline.common.adapter_format import WEIGHTS_FILE
+from loopline.common.job_layout import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    DATASET_FILE,
+    EVENTS_FILE,
+    STATUS_FILE,
+    checkpoint_name,
+)
+from loopline.common.launcher import free_port
+from loopline.ml.parallel.distributed import first_slurm_host, launch_from_env, slurm_port
+from loopline.ml.parallel.sharding import Shard, to_full, to_local
 
 PAIRS = [
     ("What is the capital of France?", " Paris."),

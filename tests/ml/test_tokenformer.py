@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from loopline.common.train_params import TokenformerParams
 from loopline.ml.adapters.io import (
     adapter_config,
     adapter_tensors,
@@ -15,7 +16,6 @@ from loopline.ml.adapters.io import (
     write_adapter,
 )
 from loopline.ml.adapters.tokenformer import TokenformerLinear, tokenformer_delta, tokenformer_theta
-from loopline.common.train_params import TokenformerParams
 from loopline.ml.train.data import collate, tokenize
 from loopline.ml.train.loop import train_step
 

@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from loopline.common import bus, launcher, subjects
-from loopline.common.db.engine import open_database, migrate
+from loopline.common.db.engine import migrate, open_database
 
 QUEUE_STATUS = subjects.SVC_QUEUE_STATUS
 

@@ -36,7 +36,7 @@ async def test_exhausted_deliveries_fail_the_request(nc, js, start_queue, eventu
         while True:
             try:
                 msg = (await replica.fetch(1, timeout=0.5))[0]
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
             deliveries.append((msg.metadata.sequence.stream, msg.metadata.num_delivered))
             if msg.metadata.num_delivered == 1:

@@ -11,8 +11,8 @@ from loopline.common import bus, subjects
 from loopline.common.db.engine import open_database
 from loopline.common.db.rows import RequestRow
 from loopline.common.schemas import (
-    ClearQueueReply,
     Choice,
+    ClearQueueReply,
     DeploymentInfo,
     ErrorInfo,
     ResultItem,

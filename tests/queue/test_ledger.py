@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from loopline.common.db.engine import open_database, migrate
+from loopline.common.db.engine import migrate, open_database
 from loopline.common.db.rows import BatchRow, DeadLetterRow, RequestRow
 from loopline.common.schemas import Choice, ErrorInfo, ResultItem, SamplingParams, WorkItem
 from loopline.queue import ledger

@@ -16,7 +16,7 @@ import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -119,14 +119,14 @@ def build_params(params: list[str], **named: Any) -> dict[str, Any]:
 @handles_errors
 def train(ctx: typer.Context,
           data: Path = typer.Argument(..., help="JSONL file: one {\"input\", \"output\"} object per line"),
-          model: Optional[str] = typer.Option(None, "--model", "-m",
+          model: str | None = typer.Option(None, "--model", "-m",
                                               help="base model; default: the served one"),
-          adapter: Optional[Adapter] = typer.Option(None, "--adapter", help="adapter to train"),
-          steps: Optional[int] = typer.Option(None, "--steps", min=1, help="max_steps"),
-          lr: Optional[float] = typer.Option(None, "--lr", min=0.0, help="learning_rate"),
+          adapter: Adapter | None = typer.Option(None, "--adapter", help="adapter to train"),
+          steps: int | None = typer.Option(None, "--steps", min=1, help="max_steps"),
+          lr: float | None = typer.Option(None, "--lr", min=0.0, help="learning_rate"),
           param: list[str] = typer.Option([], "--param", "-p",
                                           help="any train arg as key=value (repeatable)"),
-          ml_dir: Optional[Path] = typer.Option(None, "--ml-dir", exists=True, file_okay=False,
+          ml_dir: Path | None = typer.Option(None, "--ml-dir", exists=True, file_okay=False,
                                                 help="training code to ship as the job's ml/"),
           follow: bool = typer.Option(True, "--follow/--no-follow", help="follow the job until it ends")):
     """Validate DATA, upload it and start a training job; prints the job hash."""
@@ -303,9 +303,9 @@ def squeue(ctx: typer.Context):
 @app.command()
 @handles_errors
 def plot(ctx: typer.Context,
-         job: Optional[str] = typer.Argument(None, help="job hash, a prefix of it, or latest"),
+         job: str | None = typer.Argument(None, help="job hash, a prefix of it, or latest"),
          out_path: Path = typer.Option(Path("loss.png"), "--out", "-o", help="image file (.png, .svg, .pdf)"),
-         from_file: Optional[Path] = typer.Option(None, "--from-file",
+         from_file: Path | None = typer.Option(None, "--from-file",
                                                   help="a job directory or its status.json: plot offline"),
          with_lr: bool = typer.Option(True, "--lr/--no-lr", help="learning rate from the job's events")):
     """Plot loss against step (and the learning rate) to an image."""
@@ -340,8 +340,8 @@ def _learning_rates(gw: Gateway, job_hash: str, budget_s: float = 5.0) -> list:
 
 
 @app.command()
-def up(model: Optional[str] = typer.Option(None, "--model", help="model to serve (LOOPLINE_MODEL)"),
-       port: Optional[int] = typer.Option(None, "--port", help="gateway port (LOOPLINE_PORT)")):
+def up(model: str | None = typer.Option(None, "--model", help="model to serve (LOOPLINE_MODEL)"),
+       port: int | None = typer.Option(None, "--port", help="gateway port (LOOPLINE_PORT)")):
     """Start the embedded stack (NATS, services, gateway) on this machine, as `make up` does."""
     if importlib.util.find_spec("loopline.common") is None:
         err.print("[red]error:[/] the Loopline services are not installed in this environment\n"

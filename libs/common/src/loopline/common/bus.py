@@ -214,7 +214,7 @@ async def publish_durable(
             if "maximum messages" in str(exc) or "maximum bytes" in str(exc):
                 raise StreamFull(str(exc)) from exc
             err: Exception = exc
-        except (NatsTimeoutError, NoRespondersError, ConnectionClosedError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, NatsTimeoutError, NoRespondersError, ConnectionClosedError) as exc:
             err = exc
         if time.monotonic() > give_up:
             raise BusUnavailable(f"could not publish to {subject}: {err}") from err

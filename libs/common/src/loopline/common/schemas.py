@@ -84,7 +84,7 @@ class ResultItem(BaseModel):
         return sum(c.completion_tokens for c in self.choices)
 
     @classmethod
-    def failure(cls, item: WorkItem, error: ErrorInfo, replica: str = "") -> "ResultItem":
+    def failure(cls, item: WorkItem, error: ErrorInfo, replica: str = "") -> ResultItem:
         """The answer for a work item that could not be served: the client sees ``error``."""
         return cls(request_id=item.request_id, group=item.group, index=item.index, model=item.model,
                    error=error, replica=replica)

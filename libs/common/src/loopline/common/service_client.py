@@ -10,14 +10,12 @@ from the same client, so both see the service as it is.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from nats.aio.client import Client as NATS
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
 from pydantic import BaseModel, ValidationError
 
@@ -62,10 +60,10 @@ class ServiceClient:
         except NoRespondersError as exc:
             raise ServiceError(503, f"the {self.name} is not running (nobody answers {subject}); "
                                     f"retry later", retry_after_s=5) from exc
-        except (NatsTimeoutError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, NatsTimeoutError) as exc:
             raise ServiceError(504, f"the {self.name} did not answer {subject} "
                                     f"within {timeout_s:g} s") from exc
-        except Exception as exc:  # noqa: BLE001 - connection closed or reconnecting
+        except Exception as exc:  # connection closed or reconnecting
             raise ServiceError(503, f"the message bus is unavailable ({type(exc).__name__}); retry",
                                retry_after_s=1) from exc
         headers = msg.headers or {}

@@ -13,6 +13,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings
+
 from loopline.common.settings import (
     CheckpointWatcherSettings,
     GatewaySettings,
@@ -23,8 +26,6 @@ from loopline.common.settings import (
     StackSettings,
     TrainerSettings,
 )
-from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings
 
 # Who reads each class; "up" is `make up` (python -m loopline.common.up). The table's rows follow
 # this order, each variable where a class first names it.

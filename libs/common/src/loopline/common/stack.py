@@ -72,7 +72,7 @@ class LocalStack:
         )
         return out.stdout.strip().splitlines()[-1]
 
-    def start(self, *, ready_timeout_s: float = 600) -> "LocalStack":
+    def start(self, *, ready_timeout_s: float = 600) -> LocalStack:
         try:
             self.prepare_model()
             self.start_nats()
@@ -119,7 +119,7 @@ class LocalStack:
             if proc is not None:
                 launcher.stop(proc)
 
-    def __enter__(self) -> "LocalStack":
+    def __enter__(self) -> LocalStack:
         return self.start()
 
     def __exit__(self, *_exc) -> None:

@@ -16,8 +16,16 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, StrictFloat, StrictInt,
-                      field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from loopline.common.adapter_format import FULL_WEIGHTS, AdapterType
 from loopline.common.job_layout import CONFIG_FILE
@@ -90,7 +98,7 @@ class TrainParams(_Params):
         return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _tensor_parallel_trains_full_weights(self) -> "TrainParams":
+    def _tensor_parallel_trains_full_weights(self) -> TrainParams:
         # loopline.ml.parallel trains full weights only: a job asking for an adapter is refused
         # when submitted rather than failing once launched, and one that names no type gets "none".
         if (self.tensor_parallel or 1) > 1:

@@ -66,7 +66,7 @@ class TrainingArchive:
     def close(self) -> None:
         self.dataset.close()
 
-    def __enter__(self) -> "TrainingArchive":
+    def __enter__(self) -> TrainingArchive:
         return self
 
     def __exit__(self, *_exc) -> None:

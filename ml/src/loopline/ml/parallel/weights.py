@@ -25,7 +25,7 @@ def safetensors_files(model_path: str | Path) -> dict[str, Path]:
         from safetensors import safe_open
 
         with safe_open(str(folder / SINGLE_NAME), framework="pt") as f:
-            return {name: folder / SINGLE_NAME for name in f.keys()}
+            return dict.fromkeys(f.keys(), folder / SINGLE_NAME)
     raise FileNotFoundError(f"{folder}: no {SINGLE_NAME} or {INDEX_NAME} (only safetensors checkpoints load)")
 
 

@@ -49,7 +49,7 @@ def run_program(job_dir: Path, run_job: RunJob | None = None) -> int:
     # Installed first, so a TERM that arrives while the model loads is not lost either.
     stop = {"requested": False}
 
-    def on_term(signum, frame):  # noqa: ARG001
+    def on_term(signum, frame):
         if not stop["requested"]:
             log.warning("SIGTERM: stopping after the current step")
         stop["requested"] = True

@@ -19,8 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from loopline.common import adapter_format
-from loopline.common.job_layout import (CHECKPOINT_TEMP_PREFIX, CHECKPOINTS_DIR, TRAINING_STATE_FILE,
-                                        checkpoint_name, checkpoint_step, checkpoint_temp_prefix)
+from loopline.common.job_layout import (
+    CHECKPOINT_TEMP_PREFIX,
+    CHECKPOINTS_DIR,
+    TRAINING_STATE_FILE,
+    checkpoint_name,
+    checkpoint_step,
+    checkpoint_temp_prefix,
+)
 
 # A checkpoint being deleted: renamed away first, so no reader sees it half gone.
 _TRASH_PREFIX = ".old-"

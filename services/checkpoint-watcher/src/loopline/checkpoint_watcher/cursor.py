@@ -36,7 +36,7 @@ class JobCursor:
     # older than the one announced); only steps still on disk are kept.
     seen: dict[int, str] = field(default_factory=dict)
 
-    def copy(self) -> "JobCursor":
+    def copy(self) -> JobCursor:
         return replace(self, seen=dict(self.seen))
 
 
@@ -48,7 +48,7 @@ class Cursors:
         self._cache: dict[str, JobCursor] = {}
 
     @classmethod
-    async def open(cls, js: JetStreamContext) -> "Cursors":
+    async def open(cls, js: JetStreamContext) -> Cursors:
         try:
             kv = await js.key_value(subjects.CHECKPOINT_CURSOR_BUCKET)
         except (BucketNotFoundError, NotFoundError):

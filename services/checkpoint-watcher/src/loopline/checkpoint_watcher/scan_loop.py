@@ -72,7 +72,7 @@ class ScanLoop:
                     break
                 try:
                     await self.watcher.handle_job(job_hash)
-                except Exception:  # noqa: BLE001 - NATS down or a broken job: the next rescan retries it
+                except Exception:  # NATS down or a broken job: the next rescan retries it
                     log.exception("job %s: not handled, retrying at the next rescan", job_hash)
             if full:
                 self.scans["full"] += 1

@@ -78,5 +78,5 @@ async def watch_jobs(jobs_dir: Path, changed: Callable[[str | None], None], stop
             changed(None)
             try:
                 await asyncio.wait_for(stop.wait(), RETRY_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass

@@ -30,7 +30,7 @@ async def health(request: Request):
         replies = await asyncio.gather(*(services.ping(name) for name in ROLES.values()))
     except Exception as exc:  # noqa: BLE001 - NATS itself is down
         down = {"status": "down", "reason": f"message bus unreachable: {exc}"}
-        return {"api": "up", **{role: down for role in ROLES}, "all": "down", "services": {}}
+        return {"api": "up", **dict.fromkeys(ROLES, down), "all": "down", "services": {}}
     body: dict = {"api": "up"}
     instances_of = {}
     for (role, name), instances in zip(ROLES.items(), replies):

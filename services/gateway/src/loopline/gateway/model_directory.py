@@ -99,7 +99,7 @@ class ModelDirectory:
             try:
                 await asyncio.wait_for(stopping.wait(), timeout=MODELS_REFRESH_S)
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             try:
                 await self.refresh()

@@ -128,7 +128,7 @@ class _Events:
         while True:
             try:
                 return await asyncio.wait_for(self.queue.get(), timeout=min(1.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 # A NATS reconnect drops core messages: look the missing results up in the stream.
                 for i in range(self.count):
                     if i not in self.results:

@@ -105,7 +105,7 @@ class ResultWaiter:
             self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), timeout=min(deadline, next_check) - now)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return {i: self.found[i] for i in wanted if i in self.found}
 

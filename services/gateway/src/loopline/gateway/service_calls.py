@@ -22,7 +22,7 @@ class ServiceCalls:
         """The answer's bytes, or a 503 when nobody answers in time."""
         try:
             msg = await self.nc.request(subject, payload, timeout=timeout)
-        except Exception as exc:  # noqa: BLE001 - no responders, timeout, NATS down
+        except Exception as exc:  # no responders, timeout, NATS down
             raise ApiError(503, f"{subject} did not answer ({type(exc).__name__}); is the service running?") from exc
         return msg.data
 

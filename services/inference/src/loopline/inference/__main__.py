@@ -9,9 +9,9 @@ import os
 # Leave two cores to the rest of the platform unless the user chose.
 os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) - 2)))
 
-from loopline.common import runtime  # noqa: E402
-from loopline.common.settings import InferenceSettings  # noqa: E402
-from loopline.inference.service import run  # noqa: E402
+from loopline.common import runtime
+from loopline.common.settings import InferenceSettings
+from loopline.inference.service import run
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ class PromptBuilder:
                 text = self.tokenizer.apply_chat_template(
                     item.messages, add_generation_prompt=True, tokenize=False
                 )
-            except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+            except Exception as exc:  # a template error is the request's fault
                 raise PromptError(400, f"messages do not fit the model's chat template: {exc}") from exc
             # The template already holds the special tokens it wants.
             return self.tokenizer.encode(text, add_special_tokens=False)

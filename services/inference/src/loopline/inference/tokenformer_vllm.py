@@ -62,7 +62,7 @@ def register() -> None:
         return
     try:
         install()
-    except Exception:  # noqa: BLE001 - a plugin that fails must not take base-model serving down
+    except Exception:  # a plugin that fails must not take base-model serving down
         # Safe to go on: without the patch vLLM refuses converted Tokenformer folders (the
         # init_lora_weights guard), so no Tokenformer is served wrongly; LoRA and base still work.
         log.exception("Tokenformer plugin not installed: Tokenformer adapters will be refused")

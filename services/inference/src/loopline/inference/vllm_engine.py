@@ -163,7 +163,7 @@ class VllmEngine(Engine):
         request = LoRARequest(lora_name=name, lora_int_id=self._lora_ids, lora_path=path)
         try:
             await self.llm.add_lora(request)
-        except Exception as exc:  # noqa: BLE001 - vLLM's refusal: rank above max_lora_rank, ...
+        except Exception as exc:  # vLLM's refusal: rank above max_lora_rank, ...
             raise AdapterRejected(f"vLLM could not load the adapter: {exc}") from exc
         return request
 

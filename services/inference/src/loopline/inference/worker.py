@@ -91,7 +91,7 @@ class Worker:
         """
         try:
             first = await psub.fetch(1, timeout=2.0)
-        except asyncio.TimeoutError:  # nats' TimeoutError subclasses it
+        except TimeoutError:  # nats' TimeoutError subclasses it
             return
         except Exception as exc:  # noqa: BLE001 - NATS restarting: wait, reconnect, go on
             log.warning("pull failed (%s); retrying", exc)
@@ -135,7 +135,7 @@ class Worker:
             span.set_attribute("loopline.request_id", item.request_id)
             try:
                 result = await self._generate(item)
-            except Exception as exc:  # noqa: BLE001 - an engine failure: let another replica try
+            except Exception as exc:  # an engine failure: let another replica try
                 log.exception("generation of %s failed", item.request_id)
                 if msg.metadata.num_delivered < self.max_deliver:
                     await msg.nak(delay=1.0)

@@ -51,7 +51,7 @@ class Admission:
                 log.warning("measuring queue depth failed: %s", exc)
             try:
                 await asyncio.wait_for(stopping.wait(), timeout=self._interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def measure(self) -> QueueState:

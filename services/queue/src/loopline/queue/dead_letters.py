@@ -57,7 +57,7 @@ class DeadLetters:
         while not stopping.is_set():
             try:
                 msgs = await psub.fetch(16, timeout=0.5)
-            except asyncio.TimeoutError:  # nats.errors.TimeoutError subclasses it
+            except TimeoutError:  # nats.errors.TimeoutError subclasses it
                 continue
             except Exception as exc:  # noqa: BLE001 - NATS restarting
                 log.warning("dead letters: fetch failed: %s", exc)
@@ -66,7 +66,7 @@ class DeadLetters:
             for msg in msgs:
                 try:
                     await self.handle(MaxDeliveriesAdvisory.from_json(msg.data))
-                except Exception:  # noqa: BLE001 - one bad advisory must not stop the others
+                except Exception:  # one bad advisory must not stop the others
                     log.exception("handling max-deliveries advisory %r failed", msg.data[:200])
                     await msg.nak(delay=1.0)
                     continue

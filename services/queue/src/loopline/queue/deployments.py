@@ -55,7 +55,7 @@ class DeploymentDirectory:
         while not stopping.is_set() and time.monotonic() < until:
             try:
                 entry = await watcher.updates(timeout=0.5)
-            except asyncio.TimeoutError:  # nats.errors.TimeoutError subclasses it
+            except TimeoutError:  # nats.errors.TimeoutError subclasses it
                 continue
             if entry is None:  # the watch has replayed what the bucket held when it started
                 replaying = False

@@ -16,7 +16,7 @@ import asyncio
 import os
 
 from loopline.common import subjects
-from loopline.common.db.engine import open_database, migrate
+from loopline.common.db.engine import migrate, open_database
 from loopline.common.runtime import Runtime
 from loopline.common.settings import QueueSettings
 from loopline.queue.admission import Admission

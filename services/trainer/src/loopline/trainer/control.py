@@ -123,7 +123,7 @@ class JobControl:
                                  f"object store") from exc
         except TrainerError:
             raise
-        except Exception as exc:  # noqa: BLE001 - NATS down or slow: the gateway may retry
+        except Exception as exc:  # NATS down or slow: the gateway may retry
             raise Unavailable(f"could not read the {what} {name}: {type(exc).__name__}: {exc}") from exc
 
     # --- launching ------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ def _answering(name: str, handler: Handler) -> Callable[[Request], Awaitable[Non
         except TrainerError as exc:
             await req.respond_error(exc.code, exc.message)
             return
-        except Exception as exc:  # noqa: BLE001 - the caller gets a 500 instead of a timeout
+        except Exception as exc:  # the caller gets a 500 instead of a timeout
             log.exception("%s failed", name)
             await req.respond_error("500", f"{name} failed: {type(exc).__name__}: {exc}")
             return

@@ -20,8 +20,15 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from loopline.common.job_layout import (CHECKPOINTS_DIR, CODE_DIR, CONFIG_FILE, ENTRYPOINT_FILE, EVENTS_FILE,
-                                        STATUS_FILE, checkpoint_step)
+from loopline.common.job_layout import (
+    CHECKPOINTS_DIR,
+    CODE_DIR,
+    CONFIG_FILE,
+    ENTRYPOINT_FILE,
+    EVENTS_FILE,
+    STATUS_FILE,
+    checkpoint_step,
+)
 from loopline.common.train_params import JobConfig
 from loopline.trainer.errors import InvalidRequest
 

@@ -54,9 +54,9 @@ async def reconcile_loop(control: JobControl, stopping: asyncio.Event, interval_
                         await reconcile_job(control, job.job_hash, states)
                 except bus.BusUnavailable as exc:
                     log.warning("job %s: events not published yet: %s", job.job_hash, exc)
-                except Exception:  # noqa: BLE001 - one broken job must not stop the others
+                except Exception:  # one broken job must not stop the others
                     log.exception("job %s: reconcile failed", job.job_hash)
-        except Exception:  # noqa: BLE001 - the database or a launcher is down: try again next time
+        except Exception:  # the database or a launcher is down: try again next time
             log.exception("reconcile pass failed")
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stopping.wait(), timeout=interval_s)

@@ -64,7 +64,7 @@ class Job:
         return f"{self.job_hash}.{int(self.created_at * 1000)}"
 
     @classmethod
-    def from_row(cls, row: JobRow) -> "Job":
+    def from_row(cls, row: JobRow) -> Job:
         values = {f.name: getattr(row, f.name) for f in dataclasses.fields(cls)}
         values["status"] = JobStatus(row.status)
         values["job_dir"] = Path(row.job_dir)

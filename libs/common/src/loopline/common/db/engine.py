@@ -31,7 +31,7 @@ def open_database(url: str) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False})
 
         @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_conn, _record):  # noqa: ANN001
+        def _sqlite_pragmas(dbapi_conn, _record):
             # WAL lets readers (metrics queries) run while the ledger writer commits.
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from loopline.common.job_layout import ENTRYPOINT_FILE
 from loopline.trainer import jobdir
-from loopline.trainer.launchers import LaunchSpec, LaunchState, LauncherError
+from loopline.trainer.launchers import LauncherError, LaunchSpec, LaunchState
 
 # After a cancel, the run has this long to checkpoint before its processes are killed (Slurm's
 # KillWait does the same).

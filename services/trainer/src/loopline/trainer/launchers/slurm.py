@@ -14,7 +14,7 @@ import subprocess
 
 from loopline.common.job_layout import ENTRYPOINT_FILE
 from loopline.trainer import jobdir
-from loopline.trainer.launchers import LaunchSpec, LaunchState, LauncherError
+from loopline.trainer.launchers import LauncherError, LaunchSpec, LaunchState
 
 COMMAND_TIMEOUT_S = 30
 # Slurm sends SIGTERM this long before the time limit: the program checkpoints and exits.
