@@ -116,7 +116,7 @@ def main() -> int:
         for state in dirs:
             shutil.rmtree(state, ignore_errors=True)
 
-    ratios = [b / a for a, b in zip(walls["A"], walls["B"])]
+    ratios = [b / a for a, b in zip(walls["A"], walls["B"], strict=True)]
     ms = 1e3
     print()
     print(f"A/B, {args.prompts} prompts x {args.max_tokens} tokens per burst, {args.rounds} rounds")

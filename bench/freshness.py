@@ -63,7 +63,7 @@ async def run(stack, model: str, count: int, pollers: int) -> list[dict]:
     forge = ForcedAdapters(model)
     job = uuid.uuid4().hex + uuid.uuid4().hex
     steps = list(range(1, count + 2))  # step 1 deploys the job (not measured: 404 before it)
-    tokens = dict(zip(steps, forge.pick_tokens(len(steps))))
+    tokens = dict(zip(steps, forge.pick_tokens(len(steps)), strict=True))
     write_job_config(stack.jobs_dir, job, model)
 
     announced: dict[int, float] = {}

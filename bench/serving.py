@@ -196,7 +196,7 @@ class PathResult:
     burst_hops: list[dict] = field(default_factory=list)  # (b) only: the last round's timeline
 
     def round_tok_per_s(self) -> list[float]:
-        return [sum(t) / w for t, w in zip(self.round_tokens, self.round_wall_s)]
+        return [sum(t) / w for t, w in zip(self.round_tokens, self.round_wall_s, strict=True)]
 
 
 # --- (a) the engine in-process ------------------------------------------------------------------------------
@@ -605,11 +605,11 @@ def pooled_ratio(x: PathResult, y: PathResult) -> float:
 
 def report(a: PathResult, b: PathResult, c: PathResult, hops: list[Hops], args, model_path: str) -> dict:
     ms = 1000.0
-    added = [(lb - la) * ms for la, lb in zip(a.latency_s, b.latency_s)]
-    added_ttft = [(tb - ta) * ms for ta, tb in zip(a.ttft_s, b.ttft_s)]
+    added = [(lb - la) * ms for la, lb in zip(a.latency_s, b.latency_s, strict=True)]
+    added_ttft = [(tb - ta) * ms for ta, tb in zip(a.ttft_s, b.ttft_s, strict=True)]
     tps_a, tps_b, tps_c = a.round_tok_per_s(), b.round_tok_per_s(), c.round_tok_per_s()
-    ratios = [y / x for x, y in zip(tps_a, tps_b)]
-    ratios_c = [y / x for x, y in zip(tps_a, tps_c)]
+    ratios = [y / x for x, y in zip(tps_a, tps_b, strict=True)]
+    ratios_c = [y / x for x, y in zip(tps_a, tps_c, strict=True)]
     ratio, ratio_c = percentile(ratios, 50), percentile(ratios_c, 50)
     pooled, pooled_c = pooled_ratio(a, b), pooled_ratio(a, c)
     same_tokens = (a.round_tokens == b.round_tokens and a.latency_tokens == b.latency_tokens

@@ -393,18 +393,18 @@ def report(runs: list[Run], s: Setup, args, token_lengths: list[int], same_ids: 
     by = {name: [r for r in runs if r.loop == name] for name in (BASELINE, OURS_LORA, OURS_TF)}
     a, b, c = by[BASELINE], by[OURS_LORA], by[OURS_TF]
     # Pairs run next to each other, so each pair's ratio sees about the same machine load.
-    ratios = [rb.tok_per_s / ra.tok_per_s for ra, rb in zip(a, b)]
-    tf_ratios = [rc.ms_per_step / rb.ms_per_step for rb, rc in zip(b, c)]
+    ratios = [rb.tok_per_s / ra.tok_per_s for ra, rb in zip(a, b, strict=True)]
+    tf_ratios = [rc.ms_per_step / rb.ms_per_step for rb, rc in zip(b, c, strict=True)]
     ratio = median(ratios)
     tf_ratio = median(tf_ratios)
     # The same step number has the same tokens in every run: step-by-step ratios of adjacent runs
     # give more samples of the same quantity (not independent of the run-level ones).
-    step_ratios = [ta / tb for ra, rb in zip(a, b) for ta, tb in zip(ra.step_s[1:], rb.step_s[1:])]
-    tf_step_ratios = [tc / tb for rb, rc in zip(b, c) for tb, tc in zip(rb.step_s[1:], rc.step_s[1:])]
+    step_ratios = [ta / tb for ra, rb in zip(a, b, strict=True) for ta, tb in zip(ra.step_s[1:], rb.step_s[1:], strict=True)]
+    tf_step_ratios = [tc / tb for rb, rc in zip(b, c, strict=True) for tb, tc in zip(rb.step_s[1:], rc.step_s[1:], strict=True)]
     # What ours spends per step outside its own step timer: status.json and the progress event.
-    report_ms = median([(x - y) * 1000 for r in b + c for x, y in zip(r.step_s[1:], r.compute_s[1:])])
+    report_ms = median([(x - y) * 1000 for r in b + c for x, y in zip(r.step_s[1:], r.compute_s[1:], strict=True)])
     same_tokens = all(r.tokens == a[0].tokens for r in runs)
-    loss_diff = max((abs(x - y) for rb in b for x, y in zip(a[0].loss, rb.loss)), default=float("nan"))
+    loss_diff = max((abs(x - y) for rb in b for x, y in zip(a[0].loss, rb.loss, strict=True)), default=float("nan"))
     pooled = {name: [x for r in rs for x in r.step_s[1:]] for name, rs in by.items()}
     tokens_timed = sum(a[0].tokens[1:])
     compute_tps = [sum(r.tokens[1:]) / sum(r.compute_s[1:]) for r in b]
@@ -557,7 +557,7 @@ def main() -> int:
     token_lengths = [len(e.input_ids) for e in ours_ex]
     same_ids = all(e.input_ids == tok(p["input"])["input_ids"]
                    + tok(p["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-                   for e, p in zip(ours_ex, pairs))
+                   for e, p in zip(ours_ex, pairs, strict=True))
 
     scratch = Path(tempfile.mkdtemp(prefix="loopline-bench-train-"))
     runs: list[Run] = []

@@ -137,7 +137,7 @@ def test_job_hash_and_latest_answer_with_the_trained_adapter(loop_stack, http, t
     assert llm.generate([q for q, _ in PAIRS], model_name=job, max_tokens=24) == ANSWERS
     # The base model, still served beside it, does not know the answers.
     base = [complete(http, tiny, q).json()["choices"][0]["text"] for q, _ in PAIRS]
-    assert all(b != a for b, a in zip(base, ANSWERS))
+    assert all(b != a for b, a in zip(base, ANSWERS, strict=True))
 
     models = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
     assert models[job]["parent"] == tiny and models[job]["step"] == step and models[tiny]["parent"] is None

@@ -96,7 +96,7 @@ async def run_load(stack, tiny) -> tuple[list[Answer], dict[int, str], dict[int,
     forge = ForcedAdapters(tiny)
     job = uuid.uuid4().hex + uuid.uuid4().hex  # 64 hex characters, like a trainer's job hash
     steps = list(range(1, NEW_CHECKPOINTS + 2))  # step 1 is deployed first; 2..11 arrive under load
-    tokens = dict(zip(steps, forge.pick_tokens(len(steps))))
+    tokens = dict(zip(steps, forge.pick_tokens(len(steps)), strict=True))
     expected = {s: forge.tokenizer.decode([t] * MAX_TOKENS) for s, t in tokens.items()}
     assert len(set(expected.values())) == len(steps)
     write_job_config(stack.jobs_dir, job, tiny)

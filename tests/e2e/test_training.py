@@ -144,12 +144,12 @@ def test_scalarlm_client_trains_an_adapter_that_answers(train_stack, tiny, tmp_p
         out = oai.completions.create(model=job_hash, prompt=prompt, max_tokens=24, temperature=0)
         assert out.choices[0].text == answer
     base = llm.generate(prompts=prompts, model_name=tiny, max_tokens=24)
-    assert all(b != a for b, a in zip(base, answers))
+    assert all(b != a for b, a in zip(base, answers, strict=True))
 
 
 def test_base_model_does_not_know_the_answers(tiny):
     outs = generate(tiny, None)
-    assert all(out != a for out, (_, a) in zip(outs, PAIRS))
+    assert all(out != a for out, (_, a) in zip(outs, PAIRS, strict=True))
 
 
 def test_cli_trains_follows_and_plots(train_stack, tiny, tmp_path):

@@ -293,7 +293,7 @@ async def _one_batch(llm, requests: dict, prompts: dict, tag: str) -> dict:
             break
         await asyncio.sleep(0.01)
     await llm.resume_generation()
-    return dict(zip(tasks, await asyncio.wait_for(asyncio.gather(*tasks.values()), 300)))
+    return dict(zip(tasks, await asyncio.wait_for(asyncio.gather(*tasks.values()), 300), strict=True))
 
 
 def _max_diffs(outputs: dict, prompts: dict, checkpoint_of: dict, tiny: str, vocab: int) -> dict:
@@ -377,7 +377,7 @@ async def test_slots_change_kind_when_adapters_come_and_go(engine, lora_requests
     after = mixed[-1]["slots"]
     kind = {1: "tokenformer", 2: "tokenformer", 3: "lora", 4: "lora", 5: "tokenformer"}
     assert [kind[i] for i in before].count("tokenformer") == 2, before
-    assert any(kind[b] == "tokenformer" and kind[a] == "lora" for b, a in zip(before, after)), (before, after)
+    assert any(kind[b] == "tokenformer" and kind[a] == "lora" for b, a in zip(before, after, strict=True)), (before, after)
     checkpoint_of = {"lora": checkpoints["lora"], "lora-again": checkpoints["lora"],
                      "tokenformer-b-again": checkpoints["tokenformer-b"], "base": None}
     diffs = _max_diffs(outputs, prompts, checkpoint_of, tiny, vocab)
@@ -418,6 +418,6 @@ async def test_greedy_generation_matches_reference_engine(engine, lora_requests,
         await reference.stop()
         requests[name] = dataclasses.replace(request, adapter=lora_request)
     got = await asyncio.gather(*(_run(engine, r) for r in requests.values()))
-    assert dict(zip(requests, got)) == expected
+    assert dict(zip(requests, got, strict=True)) == expected
     # Four different answers to one prompt: each adapter changes what is generated.
     assert len({text for text, _, _ in expected.values()}) == len(expected), expected

@@ -79,11 +79,11 @@ def test_tiny_memorises_three_pairs(tiny_dir):
         tok(_chat_prompt(tok, q), add_special_tokens=False).input_ids for q, _ in pairs
     ]
     answers = [tok(a + tok.eos_token, add_special_tokens=False).input_ids for _, a in pairs]
-    width = max(len(p) + len(a) for p, a in zip(prompts, answers))
+    width = max(len(p) + len(a) for p, a in zip(prompts, answers, strict=True))
     input_ids = torch.full((3, width), tok.pad_token_id)
     labels = torch.full((3, width), -100)  # loss on the answer only
     mask = torch.zeros((3, width), dtype=torch.long)
-    for i, (p, a) in enumerate(zip(prompts, answers)):
+    for i, (p, a) in enumerate(zip(prompts, answers, strict=True)):
         n = len(p) + len(a)
         input_ids[i, :n] = torch.tensor(p + a)
         labels[i, len(p) : n] = torch.tensor(a)

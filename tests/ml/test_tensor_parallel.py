@@ -78,7 +78,7 @@ def finish(procs: list[subprocess.Popen], timeout: float = 240) -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
+    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out[-4000:]}"
 
 
@@ -140,7 +140,7 @@ def test_tp2_losses_equal_tp1(runs):
     assert one["step"] == two["step"] == 20 and two["error"] is None
     steps = [p["step"] for p in two["history"]]
     assert steps == [p["step"] for p in one["history"]] == list(range(1, 21))
-    for a, b in zip(one["history"], two["history"]):
+    for a, b in zip(one["history"], two["history"], strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-4, (a, b)
     losses = [p["loss"] for p in two["history"]]
     assert losses[-1] < 0.1 * losses[0]

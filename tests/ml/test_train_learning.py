@@ -35,7 +35,7 @@ def generate(model_path: str, prompts: list[str], adapter=None) -> list[str]:
 
 def test_base_model_does_not_know_the_answers(jobs):
     outs = generate(jobs.model, [q for q, _ in jobs.pairs])
-    assert all(out != answer for out, (_, answer) in zip(outs, jobs.pairs))
+    assert all(out != answer for out, (_, answer) in zip(outs, jobs.pairs, strict=True))
 
 
 @pytest.mark.parametrize("adapter_type", FROZEN_BASE_TYPES)

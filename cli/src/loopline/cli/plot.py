@@ -86,7 +86,7 @@ def render(out: Path, losses: list[tuple[float, float]], lrs: list[tuple[float, 
 
     fig = Figure(figsize=(8, 4.5), dpi=120, layout="constrained")
     ax = fig.add_subplot()
-    steps, values = zip(*losses)
+    steps, values = zip(*losses, strict=True)
     ax.plot(steps, values, color="tab:blue", lw=1.2, alpha=0.5 if len(values) >= EMA_FROM_POINTS else 1.0,
             marker="o" if len(values) < EMA_FROM_POINTS else None, ms=3, label="loss")
     if len(values) >= EMA_FROM_POINTS:
@@ -97,7 +97,7 @@ def render(out: Path, losses: list[tuple[float, float]], lrs: list[tuple[float, 
     handles, labels = ax.get_legend_handles_labels()
     if lrs:
         ax2 = ax.twinx()
-        lr_steps, lr_values = zip(*lrs)
+        lr_steps, lr_values = zip(*lrs, strict=True)
         ax2.plot(lr_steps, lr_values, color="tab:orange", ls="--", lw=1.2, label="learning rate")
         ax2.set_ylabel("learning rate")
         ax2.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))

@@ -33,7 +33,7 @@ async def health(request: Request):
         return {"api": "up", **dict.fromkeys(ROLES, down), "all": "down", "services": {}}
     body: dict = {"api": "up"}
     instances_of = {}
-    for (role, name), instances in zip(ROLES.items(), replies):
+    for (role, name), instances in zip(ROLES.items(), replies, strict=True):
         instances_of[role] = [{"id": i.get("id"), **(i.get("metadata") or {})} for i in instances]
         body[role] = "up" if instances else {"status": "down", "reason": f"no {name} instance answered"}
     up = [role for role in REQUIRED if body[role] == "up"]

@@ -81,7 +81,7 @@ class ResultWaiter:
     async def fill_from_store(self, indices: Iterable[int]) -> None:
         missing = [i for i in indices if i not in self.found]
         found = await asyncio.gather(*(self.results.lookup(self.group, i) for i in missing))
-        for i, result in zip(missing, found):
+        for i, result in zip(missing, found, strict=True):
             if result is not None:
                 self.found.setdefault(i, result)
 

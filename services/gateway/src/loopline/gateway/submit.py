@@ -69,7 +69,7 @@ async def submit_prompts(gateway: Gateway, route: Route, group: str, prompts: li
         WorkItem(request_id=rid, group=group, index=i, model=route.model, prompt=p.text,
                  messages=p.messages, sampling=sampling, stream=stream, adapter=route.adapter,
                  kind=kind, batch_total=len(prompts), reply_to=reply_to)
-        for i, (rid, p) in enumerate(zip(ids, prompts))
+        for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
     ]
     # OpenAI requests are answered on the connection that made them, so they need no manifest;
     # ScalarLM batches are polled for later, possibly through another gateway.
