@@ -122,8 +122,8 @@ def _ml_entries(ml_dir: Path) -> list[tuple[str, Path]]:
 def pack(dataset: Path, out: BinaryIO, ml_dir: Path | None = None) -> None:
     """Write the deterministic tar.gz of ``dataset`` (and ``ml_dir`` as ``ml/``) to ``out``."""
     # gzip's header holds a name and an mtime: both fixed here, which tarfile's "w:gz" cannot do.
-    with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0, compresslevel=6) as gz:
-        with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+    with (gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0, compresslevel=6) as gz,
+          tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar):
             data = dataset.read_bytes()
             tar.addfile(_tarinfo(DATASET_NAME, size=len(data)), io.BytesIO(data))
             for name, src in _ml_entries(ml_dir) if ml_dir is not None else []:

@@ -137,7 +137,7 @@ async def ensure_topology(js: JetStreamContext, *, max_work_msgs: int = 1_000_00
     for bucket in (subjects.MODELS_BUCKET, subjects.BATCHES_BUCKET):
         try:
             await js.key_value(bucket)
-        except (NotFoundError, Exception):
+        except NotFoundError:  # key_value raises BucketNotFoundError, a NotFoundError
             ttl = RESULTS_MAX_AGE_S if bucket == subjects.BATCHES_BUCKET else 0
             await js.create_key_value(
                 KeyValueConfig(bucket=bucket, history=1, ttl=ttl, storage=StorageType.FILE)

@@ -67,16 +67,15 @@ def nats_server_binary() -> str:
 
 def _spawn(name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Proc:
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "ab", buffering=0)
-    popen = subprocess.Popen(
-        argv,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env={**os.environ, **(env or {})},
-        start_new_session=True,
-    )
-    log.close()
+    with open(log_path, "ab", buffering=0) as log:  # the child holds its own copy of the descriptor
+        popen = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
     return Proc(name, popen, log_path)
 
 

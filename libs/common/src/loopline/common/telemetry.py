@@ -18,7 +18,8 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 log = logging.getLogger(__name__)
 
 
-def setup_tracing(service: str, otlp_endpoint: str | None = None, exporter: SpanExporter | None = None) -> None:
+def setup_tracing(service: str, otlp_endpoint: str | None = None,
+                  exporter: SpanExporter | None = None) -> None:
     """Install this process's tracer provider (``tracer_provider``)."""
     trace.set_tracer_provider(tracer_provider(service, otlp_endpoint, exporter))
 

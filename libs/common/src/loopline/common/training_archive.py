@@ -186,7 +186,7 @@ def _safe_name(member: tarfile.TarInfo) -> str | None:
 
 def _copy_dataset(lines: Iterable[bytes]) -> tuple[BinaryIO, str, int, int]:
     """Validate dataset.jsonlines line by line while spooling and hashing it as is."""
-    out = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
+    out = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)  # noqa: SIM115 - returned open to the caller
     sha = hashlib.sha256()
     size = examples = 0
     try:

@@ -1,4 +1,5 @@
-"""Tokenformer adapters: learnable parameter tokens attached to linear layers (arXiv 2410.23168; format in docs/adapter-format.md).
+"""Tokenformer adapters: learnable parameter tokens attached to linear layers (arXiv 2410.23168;
+format in docs/adapter-format.md).
 
 For a target linear layer ``y = W x + b`` the adapted layer computes ``y + tokenformer_delta(x, K, V)``
 with ``n`` key tokens ``K`` [n, d_in] and value tokens ``V`` [n, d_out]. ``tokenformer_delta`` is

@@ -22,7 +22,8 @@ log = logging.getLogger("loopline.ml.parallel")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loopline.ml.parallel", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m loopline.ml.parallel",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--job-dir", type=Path, required=True)
     args = parser.parse_args(argv)
     # What megatron asks for with its async dgrad all-reduce on GPUs (it warns otherwise).

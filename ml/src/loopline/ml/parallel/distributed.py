@@ -108,7 +108,8 @@ def tensor_parallel_group(launch: Launch, tp: int, timeout_s: float = 600) -> It
                                 rank=launch.rank, world_size=launch.world_size, timeout=timeout)
     try:
         # Gloo side groups are for megatron's distributed optimizer, which we do not use.
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                                 create_gloo_process_groups=False)
         yield device
     finally:
         parallel_state.destroy_model_parallel()

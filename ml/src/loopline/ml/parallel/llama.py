@@ -152,8 +152,10 @@ class Decoder(nn.Module):
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        self.embed_tokens = VocabParallelEmbedding(padded_vocab(config.vocab_size, tp), config.hidden_size, **mega)
-        self.layers = nn.ModuleList(DecoderLayer(config, heads, mega) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(padded_vocab(config.vocab_size, tp), config.hidden_size,
+                                                   **mega)
+        self.layers = nn.ModuleList(DecoderLayer(config, heads, mega)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, mega["config"].params_dtype)
         # HF's own rotary tables (no weights): every rope_type HF knows (llama3, yarn, ...) comes with it.
         self.rotary_emb = LlamaRotaryEmbedding(config)
@@ -175,8 +177,9 @@ class TensorParallelLlama(nn.Module):
         self.model = Decoder(config, self.heads, mega, self.tp)
         self.tied = bool(config.tie_word_embeddings)
         # Tied: no weight of its own, the embedding's vocab shard is passed in at forward.
-        self.lm_head = ColumnParallelLinear(config.hidden_size, padded_vocab(config.vocab_size, self.tp), **mega,
-                                            bias=False, gather_output=False, skip_weight_param_allocation=self.tied)
+        self.lm_head = ColumnParallelLinear(config.hidden_size, padded_vocab(config.vocab_size, self.tp),
+                                            **mega, bias=False, gather_output=False,
+                                            skip_weight_param_allocation=self.tied)
         # Logits of padding rows (vocabulary not divisible by TP) must not enter the softmax.
         per_rank = padded_vocab(config.vocab_size, self.tp) // self.tp
         valid = max(0, min(per_rank, config.vocab_size - self.tp_rank * per_rank))
@@ -218,7 +221,7 @@ class TensorParallelLlama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for this rank's vocabulary slice, [batch, seq, padded_vocab / tp]."""
-        b, s = input_ids.shape
+        _, s = input_ids.shape
         x = self.model.embed_tokens(input_ids)
         positions = torch.arange(s, device=input_ids.device).unsqueeze(0)
         cos, sin = self.model.rotary_emb(x, positions)

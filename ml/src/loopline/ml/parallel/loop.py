@@ -75,7 +75,8 @@ def train_step(model: TensorParallelLlama, batches: list[Batch], optimizer, clip
     return StepResult(loss, grad_norm, applied, sum(b.tokens for b in batches))
 
 
-def run_job(job_dir: Path, config: ParallelJobConfig, reporter: JobReporter | None, device: torch.device) -> None:
+def run_job(job_dir: Path, config: ParallelJobConfig, reporter: JobReporter | None,
+            device: torch.device) -> None:
     """Train to max_steps; ``reporter`` is rank 0's (None on the other ranks)."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -123,8 +124,10 @@ def run_job(job_dir: Path, config: ParallelJobConfig, reporter: JobReporter | No
                      "data_cursor": stream.cursor.to_dict(), "skipped_steps": skipped,
                      "accumulated_train_seconds": train_seconds, "tensor_parallel": model.tp,
                      "resumable": False}
-            path = save_checkpoint(job_dir, step, checkpoint_config, tensors, state, p.max_checkpoints_to_keep)
-            reporter.event("checkpoint", step=step, path=str(path.relative_to(job_dir)), created_at=time.time())
+            path = save_checkpoint(job_dir, step, checkpoint_config, tensors, state,
+                                   p.max_checkpoints_to_keep)
+            reporter.event("checkpoint", step=step, path=str(path.relative_to(job_dir)),
+                           created_at=time.time())
 
     # Invariant: at the top of each iteration every rank has taken `step` identical optimizer steps
     # on its own slices, and the stream is at the same position on every rank.
@@ -151,4 +154,5 @@ def run_job(job_dir: Path, config: ParallelJobConfig, reporter: JobReporter | No
 
     if reporter:
         reporter.write(status="COMPLETED")
-        reporter.event("completed", step=step, loss=reporter.status["loss"], accumulated_train_seconds=train_seconds)
+        reporter.event("completed", step=step, loss=reporter.status["loss"],
+                       accumulated_train_seconds=train_seconds)

@@ -50,7 +50,8 @@ def load_hf_weights(model: TensorParallelLlama, model_path: str | Path) -> None:
             full = handles[path].get_tensor(name).to(param.dtype)
             local = to_local(full, model.shards[name], model.tp_rank, model.tp)
             if local.shape != param.shape:
-                raise ValueError(f"{name}: shard {tuple(local.shape)} does not fit parameter {tuple(param.shape)}")
+                raise ValueError(f"{name}: shard {tuple(local.shape)} does not fit parameter "
+                                 f"{tuple(param.shape)}")
             param.copy_(local)
     finally:
         for handle in handles.values():

@@ -54,7 +54,7 @@ def tokenize(tokenizer, row: dict, eos_id: int, max_seq_len: int) -> Example:
     (with the tokenizer's own special tokens, e.g. a BOS), so the model learns to continue the
     very token ids it will be served. Too-long examples are cut at the end."""
     prompt = tokenizer.encode(row.get("input", ""), add_special_tokens=True)
-    answer = tokenizer.encode(row.get("output", ""), add_special_tokens=False) + [eos_id]
+    answer = [*tokenizer.encode(row.get("output", ""), add_special_tokens=False), eos_id]
     ids = (prompt + answer)[:max_seq_len]
     labels = ([IGNORE] * len(prompt) + answer)[:max_seq_len]
     return Example(ids, labels)

@@ -64,7 +64,8 @@ class JobReporter:
             "accumulated_train_seconds": float(previous.get("accumulated_train_seconds") or 0.0),
             "skipped_steps": previous.get("skipped_steps", 0),
         }
-        self._events = open(self.job_dir / EVENTS_FILE, "a", encoding="utf-8")
+        # Open for the reporter's life (one event per step); close() closes it.
+        self._events = open(self.job_dir / EVENTS_FILE, "a", encoding="utf-8")  # noqa: SIM115
 
     def resume_from(self, step: int, epoch: float, skipped_steps: int) -> None:
         """Keep the history up to the checkpoint we resume from; later points will be redone."""
@@ -89,7 +90,7 @@ class JobReporter:
         loss = finite_or_none(loss)
         history = self.status["history"]
         if loss is not None:  # a skipped (non-finite) step has no point on the curve
-            history = thin(history + [{"step": step, "loss": loss, "epoch": epoch, "time": train_seconds}])
+            history = thin([*history, {"step": step, "loss": loss, "epoch": epoch, "time": train_seconds}])
         self.write(step=step, epoch=epoch, loss=loss, history=history, skipped_steps=skipped_steps,
                    accumulated_train_seconds=train_seconds)
         self.event("progress", step=step, max_steps=self.status["max_steps"], loss=loss,

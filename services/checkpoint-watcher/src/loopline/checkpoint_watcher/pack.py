@@ -46,12 +46,13 @@ class Packed:
 def pack(step_dir: Path, step: int, max_adapter_bytes: int) -> Packed:
     """Raises ``Rejected`` (corrupt: report it) or ``Vanished`` (gone: forget it)."""
     try:
-        config_f = open(step_dir / CONFIG_FILE, "rb")
+        # Opened apart from its `with`: only open()'s FileNotFoundError means the file is missing.
+        config_f = open(step_dir / CONFIG_FILE, "rb")  # noqa: SIM115
     except FileNotFoundError as exc:
         raise _missing(step_dir, CONFIG_FILE) from exc
     with config_f:
         try:
-            weights_f = open(step_dir / WEIGHTS_FILE, "rb")
+            weights_f = open(step_dir / WEIGHTS_FILE, "rb")  # noqa: SIM115 - as config_f
         except FileNotFoundError as exc:
             raise _missing(step_dir, WEIGHTS_FILE) from exc
         with weights_f:
@@ -67,7 +68,8 @@ def pack(step_dir: Path, step: int, max_adapter_bytes: int) -> Packed:
 
 
 def _tar(raw_config: bytes, weights: BinaryIO, weights_size: int) -> BinaryIO:
-    out: BinaryIO = io.BytesIO() if weights_size < IN_MEMORY_BYTES else tempfile.TemporaryFile()
+    # Returned open: the caller uploads it, then closes it.
+    out: BinaryIO = io.BytesIO() if weights_size < IN_MEMORY_BYTES else tempfile.TemporaryFile()  # noqa: SIM115
     try:
         with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             tar.addfile(_member(CONFIG_FILE, len(raw_config)), io.BytesIO(raw_config))

@@ -114,9 +114,8 @@ def tensors_match(config: dict[str, Any], tensors: list[Tensor]) -> None:
                 if len(t.shape) != 2 or t.shape[0] != config["num_tokens"]:
                     raise Rejected(f"tokenformer tensor {t.name!r} has shape {list(t.shape)}, "
                                    f"expected [{config['num_tokens']}, d]")
-    elif kind == "lora":
-        if not any(".lora_" in t.name for t in tensors):
-            raise Rejected("lora checkpoint holds no lora_* tensor")
+    elif kind == "lora" and not any(".lora_" in t.name for t in tensors):
+        raise Rejected("lora checkpoint holds no lora_* tensor")
     # "none" (full weights): any names; the inference side matches them against its model.
 
 

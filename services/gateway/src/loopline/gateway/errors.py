@@ -67,4 +67,5 @@ def install(app) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return error_response(request, exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        return error_response(request, exc.status_code, str(exc.detail),
+                              headers=getattr(exc, "headers", None))

@@ -27,7 +27,8 @@ from loopline.gateway.work import WorkPublisher
 class Gateway:
     def __init__(self, nc: NATS, js: JetStreamContext, settings: GatewaySettings):
         self.settings = settings
-        self.trainer = TrainerClient(nc, js, settings.trainer_timeout_s)  # svc.trainer.*, datasets, job events
+        # svc.trainer.*, datasets, job events
+        self.trainer = TrainerClient(nc, js, settings.trainer_timeout_s)
         self.adapters = AdapterRegistry(js)  # which training jobs replicas have loaded
         self.models = ModelDirectory(js, settings.model, self.adapters, self.trainer)  # model -> Route
         self.admission = Admission(nc, settings.retry_after_s)  # queue depth -> 429

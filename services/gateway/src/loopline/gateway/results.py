@@ -85,7 +85,8 @@ class ResultWaiter:
             if result is not None:
                 self.found.setdefault(i, result)
 
-    async def wait(self, indices: list[int], timeout_s: float, *, stored_first: bool) -> dict[int, ResultItem]:
+    async def wait(self, indices: list[int], timeout_s: float, *,
+                   stored_first: bool) -> dict[int, ResultItem]:
         """Return the results of ``indices`` available within ``timeout_s``."""
         wanted = set(indices)
         if stored_first:

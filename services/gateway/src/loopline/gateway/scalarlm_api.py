@@ -171,7 +171,7 @@ async def upload(file: UploadFile, request: Request):
         route = await gateway.models.resolve(model)
         check_max_tokens(route, max_tokens)
         plans.append((route, max_tokens, members))
-    for route, max_tokens, members in plans:
+    for route, _, members in plans:
         gateway.admission.admit(route.deployment, len(members))
     manifest = BatchManifest(group=group, total=len(entries), model=plans[0][0].model, kind="upload")
     for n, (route, max_tokens, members) in enumerate(plans):
@@ -215,5 +215,5 @@ async def metrics(request: Request):
 
 @router.post("/clear_queue")
 async def clear_queue(request: Request):
-    data = await gateway_of(request).services.request(subjects.SVC_QUEUE_CLEAR, timeout=30)
+    data = await gateway_of(request).services.request(subjects.SVC_QUEUE_CLEAR, timeout_s=30)
     return ClearQueueReply.model_validate_json(data).model_dump()

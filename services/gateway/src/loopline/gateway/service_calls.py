@@ -18,12 +18,13 @@ class ServiceCalls:
     def __init__(self, nc: NATS):
         self.nc = nc
 
-    async def request(self, subject: str, payload: bytes = b"", timeout: float = 5.0) -> bytes:
+    async def request(self, subject: str, payload: bytes = b"", timeout_s: float = 5.0) -> bytes:
         """The answer's bytes, or a 503 when nobody answers in time."""
         try:
-            msg = await self.nc.request(subject, payload, timeout=timeout)
+            msg = await self.nc.request(subject, payload, timeout=timeout_s)
         except Exception as exc:  # no responders, timeout, NATS down
-            raise ApiError(503, f"{subject} did not answer ({type(exc).__name__}); is the service running?") from exc
+            raise ApiError(503, f"{subject} did not answer ({type(exc).__name__}); "
+                                "is the service running?") from exc
         return msg.data
 
     async def ping(self, service: str, wait_s: float = 0.25) -> list[dict]:

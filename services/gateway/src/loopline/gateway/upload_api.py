@@ -97,7 +97,8 @@ async def chunk(request: Request):
     part = staging.new_part(upload_id)
     sha, size = hashlib.sha256(), 0
     try:
-        with open(part, "wb") as out:
+        # Each piece is written as it arrives: a local write to the page cache, shorter than a thread hop.
+        with open(part, "wb") as out:  # noqa: ASYNC230
             async for piece in request.stream():
                 size += len(piece)
                 if size > settings.max_chunk_bytes:

@@ -82,7 +82,7 @@ class Engine(abc.ABC):
         The version must be servable when this returns. Raises ``AdapterRejected``."""
         raise AdapterRejected(f"the {self.info.name} engine does not load adapters")
 
-    async def unload_adapter(self, handle: Any) -> None:
+    async def unload_adapter(self, handle: Any) -> None:  # noqa: B027 - engines without adapters free nothing
         """Free a version no request uses any more."""
 
 

@@ -65,7 +65,7 @@ class ReferenceEngine(Engine):
         self.info = EngineInfo(name="reference", max_model_len=self.max_model_len or config_len)
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
-        self.eos_ids = {e for e in eos + [self.tokenizer.eos_token_id] if e is not None}
+        self.eos_ids = {e for e in [*eos, self.tokenizer.eos_token_id] if e is not None}
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         loop = asyncio.get_running_loop()

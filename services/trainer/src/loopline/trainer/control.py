@@ -116,7 +116,7 @@ class JobControl:
         try:
             store = await self.js.object_store(subjects.DATASETS_BUCKET)
             # Into a file: reading a large object into memory is slow in nats-py.
-            with open(dest, "wb") as f:
+            with open(dest, "wb") as f:  # noqa: ASYNC230 - nats-py writes the chunks from the event loop
                 await store.get(name, writeinto=f)
         except (ObjectNotFoundError, NotFoundError) as exc:
             raise InvalidRequest(f"the {what} {name} is not in the {subjects.DATASETS_BUCKET!r} "

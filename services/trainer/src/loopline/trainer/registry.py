@@ -151,4 +151,4 @@ class Registry:
     def counts(self) -> dict[str, int]:
         with Session(self.engine) as s:
             rows = s.execute(sa.select(JobRow.status, sa.func.count()).group_by(JobRow.status)).all()
-            return {status: n for status, n in rows}
+            return dict(rows)

@@ -16,7 +16,7 @@ MIGRATIONS = Path(__file__).with_name("migrations")
 
 def normalise_url(url: str) -> str:
     """Accept plain ``postgresql://`` URLs and use the psycopg 3 driver we ship."""
-    if url.startswith("postgresql://") or url.startswith("postgres://"):
+    if url.startswith(("postgresql://", "postgres://")):
         return "postgresql+psycopg://" + url.split("://", 1)[1]
     return url
 

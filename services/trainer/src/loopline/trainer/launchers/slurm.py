@@ -80,7 +80,7 @@ class SlurmLauncher:
 
     def _run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
         try:
-            out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            out = subprocess.run(argv, capture_output=True, text=True,
                                  timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise LauncherError(f"{argv[0]} failed: {exc}") from exc
