@@ -121,8 +121,8 @@ def main() -> int:
     print()
     print(f"A/B, {args.prompts} prompts x {args.max_tokens} tokens per burst, {args.rounds} rounds")
     for label in ("A", "B"):
-        print(f"  {label} {envs[label] or '(as is)'}: burst p50 {serving.percentile(walls[label], 50) * ms:.0f} ms, "
-              f"p25 {serving.percentile(walls[label], 25) * ms:.0f}, p75 {serving.percentile(walls[label], 75) * ms:.0f}")
+        p25, p50, p75 = (serving.percentile(walls[label], q) * ms for q in (25, 50, 75))
+        print(f"  {label} {envs[label] or '(as is)'}: burst p50 {p50:.0f} ms, p25 {p25:.0f}, p75 {p75:.0f}")
     print(f"  B/A burst time, median of rounds: {serving.percentile(ratios, 50):.3f} "
           f"(p25 {serving.percentile(ratios, 25):.3f}, p75 {serving.percentile(ratios, 75):.3f}); "
           "below 1: B is faster")

@@ -1,6 +1,7 @@
 """Freshness: from a checkpoint renamed into place to the first response produced by it.
 
-    python bench/freshness.py [--model tiny] [--checkpoints 20] [--pollers 4] [--out bench/results/freshness.json]
+    python bench/freshness.py [--model tiny] [--checkpoints 20] [--pollers 4]
+                              [--out bench/results/freshness.json]
 
 One LocalStack (gateway, NATS, queue, the real checkpoint-watcher on the stack's jobs dir, one
 inference replica). A job's checkpoints are written into ``<jobs_dir>/<job>/checkpoints/`` exactly
@@ -15,9 +16,9 @@ one after another once the previous one has answered:
   loaded      the replica's ``events.adapters.<job>.loaded`` event (its ``time``: when it flipped)
   answered    the first response naming the new step completed at the client
 
-Target: rename -> answered p50 < 1 s on the tiny model (the README's closed-loop target); ScalarLM's anchor is up to
-30 s (it polls for new checkpoints every 30 s). The baseline here is that anchor, not a measurement:
-ScalarLM does not run on this machine. All times are one machine's ``time.time()``. It always
+Target: rename -> answered p50 < 1 s on the tiny model (the README's closed-loop target); ScalarLM's
+anchor is up to 30 s (it polls for new checkpoints every 30 s). The baseline here is that anchor, not a
+measurement: ScalarLM does not run on this machine. All times are one machine's ``time.time()``. It always
 exits 0: the target is reported, not enforced.
 """
 

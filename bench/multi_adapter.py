@@ -127,7 +127,7 @@ def main() -> int:
         modes = {"base": [model], "one": [jobs[0]], "mixed": jobs}
         print(f"deployed {len(jobs)} Tokenformer adapters; {args.prompts} prompts x {args.max_tokens} "
               f"tokens, greedy, all in flight", flush=True)
-        for name, targets in modes.items():  # warm-up, not counted
+        for targets in modes.values():  # warm-up, not counted
             asyncio.run(one_pass(stack.url, targets, prompts[:32], args.max_tokens))
         for r in range(args.repeats):
             order = list(modes) if r % 2 == 0 else list(reversed(modes))

@@ -557,7 +557,7 @@ async def measure(a: EnginePath, b: PlatformPath, c: PlatformBatchPath, tap: Tap
                 last_b = outs
 
     await settle()
-    if ledger_db.exists():
+    if ledger_db.exists():  # noqa: ASYNC240 - one stat, after the measured rounds
         results[b].burst_hops = burst_timeline(ledger_db, last_b)
 
     await tap.watch()
@@ -633,7 +633,8 @@ def report(a: PathResult, b: PathResult, c: PathResult, hops: list[Hops], args, 
     print()
     print(f"Loopline serving benchmark — model {args.model!r} ({model_path}), {n} prompts, "
           f"max_tokens {args.max_tokens}, greedy, run-time adapters {'on' if args.adapters else 'off'}, "
-          f"{rounds} throughput rounds, {len(added)} latency and TTFT pairs ({args.latency_rounds} per prompt)")
+          f"{rounds} throughput rounds, {len(added)} latency and TTFT pairs "
+          f"({args.latency_rounds} per prompt)")
     print("  (a) VllmEngine in-process      (b) HTTP -> gateway -> NATS -> inference replica, a request"
           " per prompt")
     print(f"  (c) as (b), the {n} prompts in one request (throughput only)")
@@ -668,9 +669,11 @@ def report(a: PathResult, b: PathResult, c: PathResult, hops: list[Hops], args, 
               f"p75 {percentile(rs, 75):.3f}, max {max(rs):.3f}")
     print(f"  tokens equal on every pass: {same_tokens}   texts equal (first round): {same_text}")
     print()
-    print(f"  throughput b/a = {ratio:.3f}, median of {rounds} rounds  (target >= {TARGET_THROUGHPUT_RATIO})  "
+    print(f"  throughput b/a = {ratio:.3f}, median of {rounds} rounds  "
+          f"(target >= {TARGET_THROUGHPUT_RATIO})  "
           f"{verdict(ratio >= TARGET_THROUGHPUT_RATIO)}  ({n} requests at once)")
-    print(f"  throughput c/a = {ratio_c:.3f}, median of {rounds} rounds  (target >= {TARGET_THROUGHPUT_RATIO})  "
+    print(f"  throughput c/a = {ratio_c:.3f}, median of {rounds} rounds  "
+          f"(target >= {TARGET_THROUGHPUT_RATIO})  "
           f"{verdict(ratio_c >= TARGET_THROUGHPUT_RATIO)}  (one request of {n} prompts)")
     print(f"  added latency p50 = {added_p50:.2f} ms  (target <= {TARGET_ADDED_P50_MS} ms)  "
           f"{verdict(added_p50 <= TARGET_ADDED_P50_MS)}")

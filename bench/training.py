@@ -399,12 +399,16 @@ def report(runs: list[Run], s: Setup, args, token_lengths: list[int], same_ids: 
     tf_ratio = median(tf_ratios)
     # The same step number has the same tokens in every run: step-by-step ratios of adjacent runs
     # give more samples of the same quantity (not independent of the run-level ones).
-    step_ratios = [ta / tb for ra, rb in zip(a, b, strict=True) for ta, tb in zip(ra.step_s[1:], rb.step_s[1:], strict=True)]
-    tf_step_ratios = [tc / tb for rb, rc in zip(b, c, strict=True) for tb, tc in zip(rb.step_s[1:], rc.step_s[1:], strict=True)]
+    step_ratios = [ta / tb for ra, rb in zip(a, b, strict=True)
+                   for ta, tb in zip(ra.step_s[1:], rb.step_s[1:], strict=True)]
+    tf_step_ratios = [tc / tb for rb, rc in zip(b, c, strict=True)
+                      for tb, tc in zip(rb.step_s[1:], rc.step_s[1:], strict=True)]
     # What ours spends per step outside its own step timer: status.json and the progress event.
-    report_ms = median([(x - y) * 1000 for r in b + c for x, y in zip(r.step_s[1:], r.compute_s[1:], strict=True)])
+    report_ms = median([(x - y) * 1000 for r in b + c
+                        for x, y in zip(r.step_s[1:], r.compute_s[1:], strict=True)])
     same_tokens = all(r.tokens == a[0].tokens for r in runs)
-    loss_diff = max((abs(x - y) for rb in b for x, y in zip(a[0].loss, rb.loss, strict=True)), default=float("nan"))
+    loss_diff = max((abs(x - y) for rb in b for x, y in zip(a[0].loss, rb.loss, strict=True)),
+                    default=float("nan"))
     pooled = {name: [x for r in rs for x in r.step_s[1:]] for name, rs in by.items()}
     tokens_timed = sum(a[0].tokens[1:])
     compute_tps = [sum(r.tokens[1:]) / sum(r.compute_s[1:]) for r in b]
