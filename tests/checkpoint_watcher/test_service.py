@@ -99,7 +99,7 @@ async def test_a_corrupt_checkpoint_is_rejected_and_never_announced(start_watche
         tmp = jobs.staged(JOB_C, step)
         (tmp / name).write_bytes(corrupt((tmp / name).read_bytes()))
         jobs.publish(tmp)
-        event = await heard.until(lambda: [e for e in heard.rejected if e.step == step])
+        event = await heard.until(lambda step=step: [e for e in heard.rejected if e.step == step])
         assert event[0].job_hash == JOB_C and reason in event[0].reason, (kind, event[0].reason)
     missing = jobs.staged(JOB_C, 20)
     (missing / WEIGHTS_FILE).unlink()
@@ -183,7 +183,7 @@ async def test_a_new_checkpoint_is_noticed_fast(start_watcher, jobs, heard):
         renamed = time.time()
         jobs.publish(tmp)
         arrived, _, announce = (await heard.until(
-            lambda: [a for a in heard.announced if a[2].step == step]))[0]
+            lambda step=step: [a for a in heard.announced if a[2].step == step]))[0]
         latencies.append(arrived - renamed)
         in_watcher.append(announce.announced_at - renamed)
     p50 = statistics.median(latencies)

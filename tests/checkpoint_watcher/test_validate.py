@@ -73,7 +73,7 @@ def test_overlapping_ranges_are_rejected(weights):
         size = second["data_offsets"][1] - second["data_offsets"][0]
         second["data_offsets"] = [first["data_offsets"][1] - 2, first["data_offsets"][1] - 2 + size]
     rewrite_header(weights, overlap)
-    with pytest.raises(Rejected, match="overlapping|truncated|trailing"):
+    with pytest.raises(Rejected, match=r"overlapping|truncated|trailing"):
         header(weights)
 
 

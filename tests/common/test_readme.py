@@ -163,7 +163,7 @@ def test_subjects_table_names_every_request_reply_subject():
 # --- no file outside the repository -------------------------------------------------------------
 def _markdown_files(folder: Path) -> list[Path]:
     """The repository's markdown files, not those of hidden folders (.venv, .loopline, .git)."""
-    found = [path for path in folder.glob("*.md")]
+    found = list(folder.glob("*.md"))
     for sub in folder.iterdir():
         if sub.is_dir() and not sub.name.startswith((".", "__")) and sub.name != "node_modules":
             found += _markdown_files(sub)

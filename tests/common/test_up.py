@@ -22,9 +22,9 @@ def processes_with_state_dir(state_dir: Path) -> set[int]:
         if not entry.name.isdigit():
             continue
         try:
-            if marker in (entry / "environ").read_bytes().split(b"\0"):
-                if (entry / "stat").read_text().split()[2] != "Z":  # zombies are gone already
-                    found.add(int(entry.name))
+            if (marker in (entry / "environ").read_bytes().split(b"\0")
+                    and (entry / "stat").read_text().split()[2] != "Z"):  # zombies are gone already
+                found.add(int(entry.name))
         except OSError:
             continue
     return found

@@ -112,7 +112,7 @@ def test_jobs_volume_shared_at_one_path(charts, name):
 @pytest.mark.parametrize("name", sorted(CHART_VALUES))
 def test_secrets_come_from_secrets(charts, name):
     """Passwords and keys reach the containers through secretKeyRef, never as literal values."""
-    for component, (container, pod) in _by_container(charts[name]).items():
+    for component, (container, _) in _by_container(charts[name]).items():
         env = {e["name"]: e for e in container.get("env", [])}
         for var in ("NATS_PASSWORD", "POSTGRES_PASSWORD", "LOOPLINE_API_KEYS"):
             if var in env:
@@ -180,7 +180,8 @@ async def test_chart_nats_config_with_auth_runs(charts, tmp_path):
     user = next(e["value"] for e in container["env"] if e["name"] == "NATS_USER")
     env = {"PATH": "/usr/bin:/bin", "SERVER_NAME": "demo-loopline-nats-0", "NATS_USER": user,
            "NATS_PASSWORD": password}
-    server = subprocess.Popen([launcher.nats_server_binary(), "--config", str(tmp_path / "nats.conf")],
+    # Popen only starts the server; nothing here waits on it outside the event loop.
+    server = subprocess.Popen([launcher.nats_server_binary(), "--config", str(tmp_path / "nats.conf")],  # noqa: ASYNC220
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         async def connect(secret: str):

@@ -143,7 +143,7 @@ async def run_load(stack, tiny) -> tuple[list[Answer], dict[int, str], dict[int,
         for step in steps[1:]:
             async with newest_seen:  # the previous version has answered (or 30 s went by)
                 try:
-                    await asyncio.wait_for(newest_seen.wait_for(lambda: step - 1 in served), 30)
+                    await asyncio.wait_for(newest_seen.wait_for(lambda step=step: step - 1 in served), 30)
                 except TimeoutError:
                     pass
             await asyncio.sleep(EXTRA_LOAD_S)

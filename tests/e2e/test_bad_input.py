@@ -57,7 +57,8 @@ def test_oversized_body(http, stack):
 def test_empty_prompt_lists(http, stack):
     resp = http.post("/v1/generate", json={"prompts": []})
     assert resp.status_code == 400 and "empty" in resp.json()["detail"]
-    assert "empty" in openai_error(http.post("/v1/completions", json={"model": stack.model, "prompt": []}), 400)
+    resp = http.post("/v1/completions", json={"model": stack.model, "prompt": []})
+    assert "empty" in openai_error(resp, 400)
     resp = http.post("/v1/chat/completions", json={"model": stack.model, "messages": []})
     openai_error(resp, 400)
     resp = http.post("/v1/generate/get_results", json={"request_ids": []})

@@ -208,7 +208,8 @@ async def stop_while_generating(proc: launcher.Proc, replica: Service, env: dict
                             sampling=SamplingParams(max_tokens=48))
             await bus.publish_durable(js, subjects.work(subjects.deployment_key("tiny")),
                                       item.model_dump_json().encode(), msg_id=item.request_id)
-        while (in_flight := (await status_of(nc, proc, replica, env, 60)).detail["in_flight"]) < 1:
+        # Polls the replica's status over NATS: no event in this process to wait on.
+        while (in_flight := (await status_of(nc, proc, replica, env, 60)).detail["in_flight"]) < 1:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         proc.popen.send_signal(signal.SIGTERM)
         await asyncio.to_thread(proc.popen.wait, runtime.GRACE_S + 15)

@@ -90,12 +90,12 @@ def generate(model_path: str, adapter: Path | None) -> list[str]:
 def read_events(url: str, job_hash: str) -> list[dict]:
     """The job's SSE stream from the start: it replays history, then ends after the final event."""
     events = []
-    with httpx.Client(base_url=url, timeout=60) as http:
-        with http.stream("GET", f"/v1/megatron/train/{job_hash}/events") as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(json.loads(line[6:]))
+    with (httpx.Client(base_url=url, timeout=60) as http,
+          http.stream("GET", f"/v1/megatron/train/{job_hash}/events") as r):
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
     return events
 
 

@@ -27,7 +27,8 @@ def _probe(conn: http.client.HTTPConnection) -> int:
 
 @pytest.fixture(scope="module")
 def short_keep_alive_gateway(nats_proc, tmp_path_factory):
-    gw = start_gateway(nats_proc.info["url"], tmp_path_factory.mktemp("keep-alive"), LOOPLINE_KEEP_ALIVE_S="1")
+    gw = start_gateway(nats_proc.info["url"], tmp_path_factory.mktemp("keep-alive"),
+                       LOOPLINE_KEEP_ALIVE_S="1")
     yield gw
     launcher.stop(gw.proc)
 

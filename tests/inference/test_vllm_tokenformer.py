@@ -33,12 +33,12 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 # B: n = 8 (padded to max_lora_rank 32 in vLLM) and only some projections, so the merged qkv_proj
 # and gate_up_proj layers hold a Tokenformer slice beside an empty one.
 ADAPTERS = {
-    "tokenformer-a": dict(kind="tokenformer", seed=11,
-                          tokenformer={"num_tokens": 32, "target_modules": ALL_TARGETS}),
-    "tokenformer-b": dict(kind="tokenformer", seed=12,
-                          tokenformer={"num_tokens": 8,
-                                       "target_modules": ["q_proj", "v_proj", "gate_proj", "down_proj"]}),
-    "lora": dict(kind="lora", seed=13),
+    "tokenformer-a": {"kind": "tokenformer", "seed": 11,
+                      "tokenformer": {"num_tokens": 32, "target_modules": ALL_TARGETS}},
+    "tokenformer-b": {"kind": "tokenformer", "seed": 12,
+                      "tokenformer": {"num_tokens": 8,
+                                      "target_modules": ["q_proj", "v_proj", "gate_proj", "down_proj"]}},
+    "lora": {"kind": "lora", "seed": 13},
 }
 LORA = {"r": 8, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
 PROMPTS = {"tokenformer-a": "The quick brown fox", "tokenformer-b": "What is the capital of France?",
@@ -377,7 +377,8 @@ async def test_slots_change_kind_when_adapters_come_and_go(engine, lora_requests
     after = mixed[-1]["slots"]
     kind = {1: "tokenformer", 2: "tokenformer", 3: "lora", 4: "lora", 5: "tokenformer"}
     assert [kind[i] for i in before].count("tokenformer") == 2, before
-    assert any(kind[b] == "tokenformer" and kind[a] == "lora" for b, a in zip(before, after, strict=True)), (before, after)
+    assert any(kind[b] == "tokenformer" and kind[a] == "lora"
+               for b, a in zip(before, after, strict=True)), (before, after)
     checkpoint_of = {"lora": checkpoints["lora"], "lora-again": checkpoints["lora"],
                      "tokenformer-b-again": checkpoints["tokenformer-b"], "base": None}
     diffs = _max_diffs(outputs, prompts, checkpoint_of, tiny, vocab)

@@ -56,7 +56,7 @@ async def publish(js, group: str, count: int, reply_to: str | None) -> None:
 
 
 async def test_each_answer_reaches_reply_to_once_and_matches_the_stored_result(replica):
-    nc, js, worker = replica
+    nc, js, _ = replica
     group = uuid.uuid4().hex
     reply_to = subjects.answer("gw-test", group)
     heard: list[ResultItem] = []

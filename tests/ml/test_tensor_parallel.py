@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (the ml package's megatron extra)")
+pytest.importorskip("megatron.core",
+                    reason="megatron-core is not installed (the ml package's megatron extra)")
 
 from loopline.common.adapter_format import WEIGHTS_FILE
 from loopline.common.job_layout import (
@@ -49,7 +50,8 @@ def write_job(job_dir: Path, model: str, tp: int) -> Path:
     job_dir.mkdir(parents=True)
     config = {"job_hash": f"tp{tp}", "model_path": model, "params": {**PARAMS, "tensor_parallel": tp}}
     (job_dir / CONFIG_FILE).write_text(json.dumps(config))
-    (job_dir / DATASET_FILE).write_text("".join(json.dumps({"input": q, "output": a}) + "\n" for q, a in PAIRS))
+    (job_dir / DATASET_FILE).write_text("".join(json.dumps({"input": q, "output": a}) + "\n"
+                                                for q, a in PAIRS))
     return job_dir
 
 
@@ -65,8 +67,9 @@ def start_ranks(job_dir: Path, world: int) -> list[subprocess.Popen]:
         if world > 1:
             env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([sys.executable, "-m", "loopline.ml.parallel", "--job-dir", str(job_dir)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        argv = [sys.executable, "-m", "loopline.ml.parallel", "--job-dir", str(job_dir)]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
     return procs
 
 
@@ -118,7 +121,8 @@ def test_tp1_logits_equal_transformers(tiny_path):
     mask[1, 15:] = 0  # right padding, as training batches have
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, create_gloo_process_groups=False)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
+                                                 create_gloo_process_groups=False)
         model = TensorParallelLlama(AutoConfig.from_pretrained(tiny_path))
         load_hf_weights(model, tiny_path)
         with torch.no_grad():
@@ -224,7 +228,8 @@ def test_shards_round_trip():
 def test_launch_from_env():
     torchrun = launch_from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h",
                                 "MASTER_PORT": "1234", "SLURM_PROCID": "0"})
-    assert (torchrun.rank, torchrun.world_size, torchrun.master_addr, torchrun.launcher) == (1, 2, "h", "torchrun")
+    assert ((torchrun.rank, torchrun.world_size, torchrun.master_addr, torchrun.launcher)
+            == (1, 2, "h", "torchrun"))
     slurm = launch_from_env({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
                              "SLURM_JOB_NODELIST": "gpu[007-008,12],cpu1", "SLURM_JOB_ID": "4242"})
     assert (slurm.rank, slurm.world_size, slurm.local_rank, slurm.master_addr) == (3, 4, 1, "gpu007")

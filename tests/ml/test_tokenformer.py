@@ -92,6 +92,6 @@ def test_fresh_adapter_is_the_base_model_and_one_step_changes_it(tiny_path, tmp_
 
 def test_unknown_target_modules_fail(tiny_path):
     model, _ = _load(tiny_path)
-    with pytest.raises(ValueError, match="no nn.Linear"):
+    with pytest.raises(ValueError, match=r"no nn\.Linear"):
         prepare_model(model, "tokenformer", tokenformer={"num_tokens": 4, "target_modules": ["nope"]},
                       lora={}, base_model=tiny_path, seed=0)

@@ -41,7 +41,8 @@ def test_non_finite_step_is_skipped(tiny_path):
     before = [p.detach().clone() for p in params]
     result = train_step(model, [batch], optimizer, params, 1.0, torch.device("cpu"))
     assert not result.applied and not math.isfinite(result.loss)
-    assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True)) and all(p.grad is None for p in params)
+    assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+    assert all(p.grad is None for p in params)
     assert optimizer.state == {} or all(not s for s in optimizer.state.values())
 
 
