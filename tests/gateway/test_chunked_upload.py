@@ -52,8 +52,9 @@ def test_the_scalarlm_client_uploads_in_chunks(gateway, trainer, tmp_path, monke
     reply = llm.train(examples, train_args={"max_steps": 21})
     params = {"max_steps": 21, "llm_name": BASE_MODEL}
     assert reply["job_status"]["model_name"] == hash_job(params, sha256(jsonlines(examples)))
-    got = trainer.submits[-1]
-    assert got.dataset == jsonlines(examples) and got.submit.examples == 300
+    # Reassembled, unpacked, stored, and fetched by the trainer into the job directory intact.
+    job_dir = trainer.job_dir(reply["job_status"]["model_name"])
+    assert (job_dir / DATASET_FILE).read_bytes() == jsonlines(examples)
     assert not list((gateway.state_dir / "uploads").iterdir())  # the staging is cleaned up
 
 
@@ -88,7 +89,7 @@ def test_bad_chunk_hash_is_422_and_a_retry_succeeds(http, trainer):
     resp = http.post("/v1/megatron/upload/finalize", json={"upload_id": upload_id})
     assert resp.status_code == 200, resp.text
     job_hash = resp.json()["job_status"]["model_name"]
-    assert trainer.submits[-1].submit.job_hash == job_hash
+    assert (trainer.job_dir(job_hash) / DATASET_FILE).read_bytes() == jsonlines(varied_examples(200, seed=2))
     # Finalize is the same path as /train: the same archive posted whole is the same job.
     whole = http.post("/v1/megatron/train", files={"file": ("dataset", data)},
                       data={"params": '{"max_steps": 22}'})

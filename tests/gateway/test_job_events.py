@@ -1,19 +1,22 @@
-"""Job events over SSE: the stored history first (for a client that comes late), then live events."""
+"""Job events over SSE: the stored history first (for a client that comes late), then live events.
+The jobs are real: the trainer runs the stand-in program, whose params set when each event comes."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 
 from loopline.common.job_layout import DATASET_FILE
+from support.gateway_process import wait_job
 from support.training_data import EXAMPLES, archive, jsonlines
 
 
-def submit(http, max_steps: int) -> str:
+def submit(http, max_steps: int, **standin) -> str:
     data = archive({DATASET_FILE: jsonlines(EXAMPLES)})
     resp = http.post("/v1/megatron/train", files={"file": ("dataset", data)},
-                     data={"params": json.dumps({"max_steps": max_steps})})
+                     data={"params": json.dumps({"max_steps": max_steps, **standin})})
     assert resp.status_code == 200, resp.text
     return resp.json()["job_status"]["model_name"]
 
@@ -31,39 +34,43 @@ def sse_messages(lines):
             event, data = None, None
 
 
-def test_one_job_history_then_live_then_the_end(http, trainer):
-    job_hash = submit(http, 31)  # the trainer stand-in publishes "queued"
-    trainer.emit(job_hash, "started")
-    trainer.emit(job_hash, "progress", step=1, max_steps=31, loss=2.5)
+def test_one_job_history_then_live_then_the_end(http):
+    # Six steps of 0.3 s: the stream opens after the first step, so some events are history (stored
+    # before it opened) and the rest arrive live, ending with "completed".
+    job_hash = submit(http, 6, standin_step_s=0.3)
+    while wait_job(http, job_hash, "TRAINING", timeout_s=30)["step"] < 1:
+        time.sleep(0.05)
     with http.stream("GET", f"/v1/megatron/train/{job_hash}/events") as resp:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
         messages = sse_messages(resp.iter_lines())
         history = [next(messages) for _ in range(3)]
         assert [kind for kind, _ in history] == ["queued", "started", "progress"]
-        assert history[2][1]["loss"] == 2.5 and history[2][1]["job_hash"] == job_hash
+        assert history[2][1]["loss"] == 0.5 and history[2][1]["job_hash"] == job_hash
         assert [data["seq"] for _, data in history] == [1, 2, 3]
-        trainer.emit(job_hash, "progress", step=2, max_steps=31, loss=2.0)
-        trainer.emit(job_hash, "completed")
+        assert wait_job(http, job_hash, "TRAINING", timeout_s=0)["step"] < 6  # the rest is to come
         live = list(messages)  # the stream ends by itself after "completed"
-    assert [kind for kind, _ in live] == ["progress", "completed"]
-    assert live[1][1]["status"] == "COMPLETED"
+    story = [kind for kind, _ in history + live]
+    assert story == ["queued", "started"] + ["progress"] * 6 + ["checkpoint", "completed"], story
+    assert [data["seq"] for _, data in history + live] == list(range(1, len(story) + 1))
+    assert [data["step"] for kind, data in live if kind == "progress"][-1] == 6
+    assert live[-1][1]["status"] == "COMPLETED"
     # Coming back after the end: the whole story, then the stream closes.
     with http.stream("GET", f"/v1/megatron/train/{job_hash[:10]}/events") as resp:
-        assert [kind for kind, _ in sse_messages(resp.iter_lines())] == \
-            ["queued", "started", "progress", "progress", "completed"]
+        assert [kind for kind, _ in sse_messages(resp.iter_lines())] == story
 
 
-def test_all_jobs_stream(http, gateway, trainer):
-    first, second = submit(http, 32), submit(http, 33)
+def test_all_jobs_stream(http, gateway):
+    # The first job fails once its stand-in has "loaded" for 1.5 s; the second stays queued.
+    first = submit(http, 32, standin_start_s=1.5, standin_fail="RuntimeError: out of memory")
+    second = submit(http, 33, standin_start_s=120)
     seen: list[tuple[str, str]] = []
     with httpx.Client(base_url=gateway.url, timeout=10) as client:
         with client.stream("GET", "/v1/megatron/events") as resp:
             assert resp.status_code == 200
             for kind, data in sse_messages(resp.iter_lines()):
                 seen.append((data["job_hash"], kind))
-                if (second, "queued") in seen and (first, "failed") not in seen:
-                    trainer.emit(first, "failed", error="out of memory")
                 if (first, "failed") in seen:
+                    assert data["error"] == "RuntimeError: out of memory" and data["status"] == "FAILED"
                     break
     assert (first, "queued") in seen and (second, "queued") in seen
     assert seen.index((first, "queued")) < seen.index((second, "queued")) < seen.index((first, "failed"))

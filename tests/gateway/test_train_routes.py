@@ -1,21 +1,31 @@
-"""The training routes against a real gateway process and nats-server, the trainer stood in for.
+"""The training routes against a real gateway process, nats-server and trainer (running the stand-in
+training program, whose params set its pace).
 
 The unmodified ``scalarlm`` client drives what it can (train, get_training_job, list_models, cancel,
-delete, the CLI's log reader); httpx covers the rest and the error cases."""
+delete, the CLI's log reader); httpx covers the rest and the error cases. What the trainer got is
+read from the job directory it made and the ``datasets`` object store."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 import scalarlm
 from masint.cli import view_logs
 
+from loopline.common import subjects
 from loopline.common.job_hash import job_hash as hash_job
-from loopline.common.job_layout import DATASET_FILE
-from support.gateway_process import BASE_MODEL, MAX_MEMBERS, MAX_UPLOAD_BYTES
+from loopline.common.job_layout import CODE_DIR, DATASET_FILE, EVENTS_FILE
+from loopline.common.job_schemas import ClusterInfo, JobInfo, JobRef
+from loopline.common.train_params import JobConfig, canonical
+from loopline.trainer.jobdir import log_name
+from support.gateway_process import BASE_MODEL, MAX_MEMBERS, MAX_UPLOAD_BYTES, wait_job
 from support.training_data import EXAMPLES, archive, jsonlines, sha256
+
+# The stand-in "loads its model" this long before it writes anything: the job stays QUEUED.
+LOADING = {"standin_start_s": 120}
 
 
 @pytest.fixture
@@ -31,19 +41,27 @@ def post_train(http, data: bytes, params=None):
     return http.post("/v1/megatron/train", files=files, data=form)
 
 
+def job_log(job_dir: Path, job_status: dict) -> list[str]:
+    """The lines of the job's one run's log, as the local launcher captured them."""
+    return (job_dir / log_name("local", job_status["job_id"])).read_text().splitlines()
+
+
 def test_train_and_get_with_the_scalarlm_client(llm, trainer):
     examples = EXAMPLES + [{"input": "client", "output": "train"}]
-    reply = llm.train(examples, train_args={"max_steps": 7, "learning_rate": 1e-3})
+    reply = llm.train(examples, train_args={"max_steps": 7, "learning_rate": 1e-3, **LOADING})
     job_hash = reply["job_status"]["model_name"]
-    params = {"max_steps": 7, "learning_rate": 1e-3, "llm_name": BASE_MODEL}
+    params = {"max_steps": 7, "learning_rate": 1e-3, **LOADING, "llm_name": BASE_MODEL}
     # Our hash: canonical params (llm_name filled in) + the uncompressed dataset, not the gzip bytes.
     assert job_hash == hash_job(params, sha256(jsonlines(examples)))
     assert reply["job_status"]["status"] == "QUEUED" and reply["deployed"] is False
-    assert reply["job_status"]["job_directory"].endswith(job_hash)
+    job_dir = trainer.job_dir(job_hash)
+    assert reply["job_status"]["job_directory"] == str(job_dir)
     assert reply["job_config"]["llm_name"] == BASE_MODEL
     assert reply["job_config"]["dataset_hash"] == sha256(jsonlines(examples))
-    [got] = [r for r in trainer.submits if r.submit.job_hash == job_hash]
-    assert got.dataset == jsonlines(examples) and got.submit.examples == 3 and got.code is None
+    # What the trainer made of the submit: the uncompressed dataset, the params as hashed, no code.
+    assert (job_dir / DATASET_FILE).read_bytes() == jsonlines(examples)
+    assert canonical(JobConfig.read(job_dir).params) == params
+    assert not (job_dir / CODE_DIR).exists()
 
     for name in (job_hash, job_hash[:12], "latest"):
         fetched = llm.get_training_job(name)
@@ -54,31 +72,43 @@ def test_train_and_get_with_the_scalarlm_client(llm, trainer):
                               "train_time", "loss"}
 
 
-def test_same_data_twice_is_one_job_and_one_stored_dataset(llm, trainer):
+def test_same_data_twice_is_one_job_and_one_stored_dataset(llm, http, trainer, nats_bus):
     examples = EXAMPLES + [{"input": "twice", "output": "once"}]
     # The client's tar.gz differs on every call (gzip header: temp file name, mtime); the job does not.
     first = llm.train(examples, train_args={"max_steps": 2})
     second = llm.train(examples, train_args={"max_steps": 2})
     job_hash = first["job_status"]["model_name"]
     assert second["job_status"]["model_name"] == job_hash
-    assert [r.submit.job_hash for r in trainer.submits].count(job_hash) == 1
+    # One job, queued once and run once (one run's log in its directory).
+    assert [m["name"] for m in llm.list_models()["models"]].count(job_hash) == 1
+    wait_job(http, job_hash, "COMPLETED")
+    job_dir = trainer.job_dir(job_hash)
+    kinds = [json.loads(line)["kind"] for line in (job_dir / EVENTS_FILE).read_text().splitlines()]
+    assert kinds.count("queued") == 1 and kinds[-1] == "completed"
+    assert len(list(job_dir.glob(log_name("local", "*")))) == 1
     # New params, same data: a new job that reuses the stored dataset object instead of writing it.
     dataset = sha256(jsonlines(examples))
-    before = trainer.dataset_info(dataset)
+    before = nats_bus.dataset_info(dataset)
     other = llm.train(examples, train_args={"max_steps": 3})
-    assert other["job_status"]["model_name"] != job_hash
-    assert trainer.submits[-1].submit.dataset_sha256 == dataset
-    assert trainer.dataset_info(dataset).nuid == before.nuid
+    other_hash = other["job_status"]["model_name"]
+    assert other_hash != job_hash and other["job_config"]["dataset_hash"] == dataset
+    assert (trainer.job_dir(other_hash) / DATASET_FILE).read_bytes() == jsonlines(examples)
+    assert nats_bus.dataset_info(dataset).nuid == before.nuid
 
 
-def test_ml_code_travels_as_its_own_object(llm, trainer, tmp_path):
+def test_ml_code_travels_as_its_own_object(llm, trainer, nats_bus, tmp_path):
     (tmp_path / "ml" / "cray_megatron").mkdir(parents=True)
     (tmp_path / "ml" / "cray_megatron" / "main.py").write_text("print('my loop')\n")
     reply = llm.train(EXAMPLES, train_args={"max_steps": 4})
-    got = trainer.submits[-1]
-    assert got.submit.job_hash == reply["job_status"]["model_name"] and got.code is not None
-    assert got.submit.code_sha256 == sha256(got.code)
-    assert b"print('my loop')" in got.code
+    job_hash = reply["job_status"]["model_name"]
+    info = nats_bus.ask_trainer(subjects.SVC_TRAINER_GET, JobRef(job=job_hash), JobInfo)
+    code = nats_bus.dataset(info.code_sha256)
+    assert sha256(code) == info.code_sha256 and b"print('my loop')" in code
+    # The code is part of the job: in its hash, and unpacked into its ml/ (first on its PYTHONPATH).
+    params = {"max_steps": 4, "llm_name": BASE_MODEL}
+    assert job_hash == hash_job(params, sha256(jsonlines(EXAMPLES)), info.code_sha256)
+    main = trainer.job_dir(job_hash) / CODE_DIR / "cray_megatron" / "main.py"
+    assert main.read_text() == "print('my loop')\n"
 
 
 def test_unknown_job_is_404_everywhere(http):
@@ -146,7 +176,9 @@ def test_plain_jsonlines_and_llm_name_given(http, trainer):
     assert resp.status_code == 200, resp.text
     body = resp.json()
     assert body["job_config"]["llm_name"] == "other/model"
-    assert body["job_status"]["model_name"] == hash_job(params, sha256(jsonlines(EXAMPLES)))
+    job_hash = body["job_status"]["model_name"]
+    assert job_hash == hash_job(params, sha256(jsonlines(EXAMPLES)))
+    assert JobConfig.read(trainer.job_dir(job_hash)).params.llm_name == "other/model"
 
 
 @pytest.mark.parametrize("params, field", [
@@ -156,7 +188,7 @@ def test_plain_jsonlines_and_llm_name_given(http, trainer):
     ({"adapter_type": "dora"}, "params.adapter_type"),
     ({"tensor_parallel": 2, "adapter_type": "lora"}, "params"),
 ])
-def test_bad_params_are_a_422_naming_the_field_before_anything_is_stored(http, trainer, params, field):
+def test_bad_params_are_a_422_naming_the_field_before_anything_is_stored(http, nats_bus, params, field):
     from nats.js.errors import NotFoundError
 
     examples = EXAMPLES + [{"input": "refused", "output": field}]
@@ -164,7 +196,7 @@ def test_bad_params_are_a_422_naming_the_field_before_anything_is_stored(http, t
     assert resp.status_code == 422, resp.text
     assert resp.json()["detail"].startswith(f"{field}: "), resp.json()["detail"]
     with pytest.raises(NotFoundError):
-        trainer.dataset_info(sha256(jsonlines(examples)))
+        nats_bus.dataset_info(sha256(jsonlines(examples)))
 
 
 def test_params_that_mean_the_same_are_one_job(http, trainer):
@@ -177,56 +209,65 @@ def test_params_that_mean_the_same_are_one_job(http, trainer):
     assert job_hash == hash_job(params, sha256(data))
     # What the client sent beyond our params is kept (it is part of the job) and shown back.
     assert first["job_config"]["gpus"] == 2 and first["job_config"]["adapter_type"] == "lora"
-    assert trainer.submits[-1].submit.params.model_dump(mode="json", exclude_unset=True) == params
+    assert canonical(JobConfig.read(trainer.job_dir(job_hash)).params) == params
 
 
 def test_cancel_restart_delete_pass_the_trainer_through(llm, http, trainer):
-    job_hash = llm.train(EXAMPLES, train_args={"max_steps": 9})["job_status"]["model_name"]
+    job_hash = llm.train(EXAMPLES, train_args={"max_steps": 9, **LOADING})["job_status"]["model_name"]
     resp = http.post(f"/v1/megatron/restart/{job_hash}")
     assert resp.status_code == 409 and "QUEUED" in resp.json()["detail"]
     assert llm.cancel(job_hash)["job_status"]["status"] == "CANCELLED"
-    assert http.post(f"/v1/megatron/restart/{job_hash}").json()["job_status"]["model_name"] == job_hash
+    restarted = http.post(f"/v1/megatron/restart/{job_hash}").json()["job_status"]
+    assert restarted["model_name"] == job_hash and restarted["status"] == "QUEUED"
     assert llm.delete(job_hash)["job_status"]["model_name"] == job_hash
     assert http.get(f"/v1/megatron/train/{job_hash}").status_code == 404
+    assert not trainer.job_dir(job_hash).exists()
 
 
-def test_cluster_routes(llm, http):
-    assert llm.get_gpu_count() == 0 and llm.get_node_count() == 1
+def test_cluster_routes(llm, http, nats_bus):
+    cluster = nats_bus.ask_trainer(subjects.SVC_TRAINER_CLUSTER, None, ClusterInfo)
+    assert cluster.launcher == "local" and cluster.node_count == 1
+    assert llm.get_gpu_count() == cluster.gpu_count and llm.get_node_count() == 1
     assert "JOBID" in http.get("/v1/megatron/squeue").json()["squeue_output"]
 
 
-def test_logs_as_the_scalarlm_cli_reads_them(llm, gateway, trainer, monkeypatch):
-    job_hash = llm.train(EXAMPLES, train_args={"max_steps": 11})["job_status"]["model_name"]
-    trainer.logs[job_hash] = [f"step {i} loss {1.0 / (i + 1):.3f}" for i in range(5)]
-    trainer.emit(job_hash, "completed")
+def test_logs_as_the_scalarlm_cli_reads_them(llm, http, gateway, trainer, monkeypatch):
+    job_hash = llm.train(EXAMPLES, train_args={"max_steps": 5})["job_status"]["model_name"]
+    done = wait_job(http, job_hash, "COMPLETED")
+    written = job_log(trainer.job_dir(job_hash), done)
+    assert [line for line in written if line.startswith("standin: step")] == \
+        [f"standin: step {i} of 5" for i in range(1, 6)]
     monkeypatch.setenv("SCALARLM_API_URL", gateway.url)
     lines = asyncio.run(view_logs.sample_log_stream(model_name=job_hash, starting_line_number=2))
-    assert [(x["line_number"], x["line"]) for x in lines] == [(i, f"step {i} loss {1.0 / (i + 1):.3f}")
-                                                              for i in range(2, 5)]
+    assert [(x["line_number"], x["line"]) for x in lines] == list(enumerate(written))[2:]
 
 
 def test_logs_follow_a_running_job_until_it_ends(llm, http, trainer):
-    job_hash = llm.train(EXAMPLES, train_args={"max_steps": 12})["job_status"]["model_name"]
-    trainer.emit(job_hash, "started")
-    trainer.logs[job_hash] = ["first"]
+    # About 2 s of steps: the stream opens while it runs and must end by itself when it is over.
+    params = {"max_steps": 8, "standin_step_s": 0.25}
+    job_hash = llm.train(EXAMPLES, train_args=params)["job_status"]["model_name"]
     with http.stream("GET", f"/v1/megatron/train/logs/{job_hash}") as resp:
         assert resp.headers["content-type"].startswith("text/event-stream")
         lines = resp.iter_lines()
-        assert json.loads(next(lines)) == {"line": "first", "line_number": 0}
-        trainer.logs[job_hash].append("second")
-        trainer.emit(job_hash, "completed")
+        first = json.loads(next(lines))
+        assert first["line_number"] == 0
+        assert wait_job(http, job_hash, "QUEUED", "TRAINING", timeout_s=0)["step"] < 8  # still running
         rest = [json.loads(line) for line in lines if line]
-    assert rest == [{"line": "second", "line_number": 1}]
+    done = wait_job(http, job_hash, "COMPLETED", timeout_s=0)
+    written = job_log(trainer.job_dir(job_hash), done)
+    assert [first, *rest] == [{"line": text, "line_number": n} for n, text in enumerate(written)]
+    assert written[-1] == "standin: completed"
     snapshot = http.get(f"/v1/megatron/train/logs/{job_hash}", params={"follow": "false"})
-    assert [json.loads(x)["line"] for x in snapshot.text.splitlines()] == ["first", "second"]
+    assert [json.loads(x)["line"] for x in snapshot.text.splitlines()] == written
 
 
 def test_no_trainer_is_503(http, trainer):
-    trainer.run(trainer.service.stop())
+    trainer.stop()
     try:
         resp = http.get("/v1/megatron/list_models")
         assert resp.status_code == 503 and "trainer is not running" in resp.json()["detail"]
+        assert resp.headers["retry-after"] == "5"
         assert post_train(http, jsonlines(EXAMPLES), {"max_steps": 99}).status_code == 503
     finally:
-        trainer.run(trainer.start_service())
+        trainer.start()
     assert http.get("/v1/megatron/list_models").status_code == 200

@@ -52,3 +52,19 @@ def start_gateway(nats_url: str, state: Path, **env: str) -> Gateway:
             launcher.stop(proc)
             raise RuntimeError(f"the gateway did not start:\n{proc.log_tail()}")
         time.sleep(0.1)
+
+
+def wait_job(http: httpx.Client, job: str, *statuses: str, timeout_s: float = 60.0) -> dict:
+    """Poll ``GET /v1/megatron/train/{job}`` until the job's status is one of ``statuses``; its
+    ``job_status``."""
+    deadline = time.monotonic() + timeout_s
+    # Invariant: every answer so far was a 200 with a status not yet wanted.
+    while True:
+        resp = http.get(f"/v1/megatron/train/{job}")
+        assert resp.status_code == 200, resp.text
+        status = resp.json()["job_status"]
+        if status["status"] in statuses:
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {job} still {status['status']} after {timeout_s} s (want {statuses})")
+        time.sleep(0.1)

@@ -3,22 +3,13 @@ launcher) running the stand-in training program, and a client for its API and ev
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
-import os
-import signal
-import sys
-import time
 from pathlib import Path
 
-import nats.errors
 import pytest
 
-from loopline.common import bus, launcher, subjects
+from loopline.common import bus, launcher
 from support.trainer import TrainerClient
-
-STANDIN = Path(__file__).with_name("standin.py")
+from support.trainer_process import stop_local_runs, trainer_env, wait_ready
 
 
 @pytest.fixture(params=["slurm", "local"])
@@ -49,17 +40,8 @@ def start_trainer(request, nats_url, tmp_path, jobs_dir):
     procs: list[launcher.Proc] = []
     kinds: set[str] = set()
 
-    async def start(kind: str, **extra: str) -> launcher.Proc:
-        env = {
-            "LOOPLINE_NATS_URL": nats_url,
-            "LOOPLINE_STATE_DIR": str(tmp_path),
-            "LOOPLINE_JOBS_DIR": str(jobs_dir),
-            "LOOPLINE_LAUNCHER": kind,
-            "LOOPLINE_TRAIN_COMMAND": f"{sys.executable} {STANDIN}",
-            "LOOPLINE_RECONCILE_INTERVAL_S": "0.25",
-            "LOOPLINE_MODEL": "tiny",
-            **{f"LOOPLINE_{k.upper()}": str(v) for k, v in extra.items()},
-        }
+    async def start(kind: str, **extra: object) -> launcher.Proc:
+        env = trainer_env(nats_url, tmp_path, jobs_dir, kind, **extra)
         if kind == "slurm":
             env.update(request.getfixturevalue("slurm").env)
         kinds.add(kind)
@@ -73,37 +55,7 @@ def start_trainer(request, nats_url, tmp_path, jobs_dir):
         launcher.stop(proc)
     if "slurm" in kinds:
         request.getfixturevalue("slurm").cancel_all()
-    kill_local_runs(jobs_dir / ".local-runs")
-
-
-def kill_local_runs(runs_dir: Path) -> None:
-    """SIGKILL the local launcher's runs that are still alive (only the ones this test started)."""
-    for record_path in runs_dir.glob("L*.json") if runs_dir.is_dir() else []:
-        record = json.loads(record_path.read_text())
-        try:
-            stat = Path(f"/proc/{record['pid']}/stat").read_text()
-        except OSError:
-            continue
-        if stat.rsplit(")", 1)[1].split()[19] == record["start"]:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(record["pid"], signal.SIGKILL)
-
-
-async def wait_ready(proc: launcher.Proc, nats_url: str, timeout_s: float = 30.0) -> None:
-    nc = await bus.connect(nats_url, "trainer-test-ready")
-    try:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not proc.alive():
-                raise RuntimeError(f"trainer exited with {proc.popen.returncode}:\n{proc.log_tail()}")
-            try:
-                await nc.request(subjects.SVC_TRAINER_STATUS, b"{}", timeout=0.5)
-                return
-            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-                await asyncio.sleep(0.05)
-        raise TimeoutError(f"trainer not ready after {timeout_s}s:\n{proc.log_tail()}")
-    finally:
-        await nc.close()
+    stop_local_runs(jobs_dir)
 
 
 @pytest.fixture

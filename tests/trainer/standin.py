@@ -15,7 +15,8 @@ EXIT_COMPLETED and EXIT_PREEMPTED: importing it would import torch), and the swi
 
 Params it reads, besides TrainParams' max_steps, steps_per_checkpoint, max_checkpoints_to_keep:
   standin_step_s   seconds per step (default 0.05)
-  standin_fail     raise "<Name>: <message>" at the start (the job FAILED with exactly that error)
+  standin_start_s  seconds before the first write, as a model loads (default 0): the job stays QUEUED
+  standin_fail     raise "<Name>: <message>" once started (the job FAILED with exactly that error)
   standin_crash    exit 1 at once, writing nothing (a broken environment)
 Each start appends "start <step> rank <rank>/<world>" to DIR/runs.txt, so a test can see resumption,
 and prints its progress to stdout (the launcher's log of the run). Only rank 0 writes the job's
@@ -94,6 +95,11 @@ def run_standin(job_dir: Path, config: JobConfig, reporter: JobReporter,
     resumed_from = latest_checkpoint(job_dir)
     step = resumed_from[0] if resumed_from else 0
     note_start(job_dir, step)
+    loaded_at = time.monotonic() + float(extra.get("standin_start_s", 0))
+    # Invariant: nothing of this run is in status.json or events.jsonl yet; a SIGTERM ends the wait
+    # (then the loop below makes no step, as the real one when TERM comes while its model loads).
+    while time.monotonic() < loaded_at and not stop_requested():
+        time.sleep(min(0.05, max(0.0, loaded_at - time.monotonic())))
     if extra.get("standin_fail"):
         name, _, message = str(extra["standin_fail"]).partition(": ")
         raise type(name, (Exception,), {})(message)  # run_program reports it as "<name>: <message>"

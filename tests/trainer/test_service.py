@@ -21,6 +21,7 @@ from loopline.common.job_schemas import ClusterInfo, JobList, JobSubmit, LogLine
 from loopline.common.service_client import ServiceError
 
 from support.trainer import DATASET
+from support.trainer_process import local_launcher
 
 
 async def test_a_job_runs_and_its_events_arrive_in_order(launcher_kind, start_trainer, client, jobs_dir):
@@ -124,7 +125,8 @@ async def test_a_run_killed_behind_the_trainers_back_is_resubmitted_and_resumes(
     if launcher_kind == "slurm":
         request.getfixturevalue("slurm").run("scancel", info.slurm_job_id)
     else:
-        record = json.loads((jobs_dir / ".local-runs" / f"{info.slurm_job_id}.json").read_text())
+        runs_dir = local_launcher(jobs_dir).runs_dir  # where the trainer's local launcher keeps its records
+        record = json.loads((runs_dir / f"{info.slurm_job_id}.json").read_text())
         os.killpg(record["pid"], signal.SIGTERM)
 
     done = await client.wait_status(info.job_hash, "COMPLETED", timeout_s=90)
