@@ -64,14 +64,14 @@ def test_all_jobs_stream(http, gateway):
     first = submit(http, 32, standin_start_s=1.5, standin_fail="RuntimeError: out of memory")
     second = submit(http, 33, standin_start_s=120)
     seen: list[tuple[str, str]] = []
-    with httpx.Client(base_url=gateway.url, timeout=10) as client:
-        with client.stream("GET", "/v1/megatron/events") as resp:
-            assert resp.status_code == 200
-            for kind, data in sse_messages(resp.iter_lines()):
-                seen.append((data["job_hash"], kind))
-                if (first, "failed") in seen:
-                    assert data["error"] == "RuntimeError: out of memory" and data["status"] == "FAILED"
-                    break
+    with httpx.Client(base_url=gateway.url, timeout=10) as client, \
+            client.stream("GET", "/v1/megatron/events") as resp:
+        assert resp.status_code == 200
+        for kind, data in sse_messages(resp.iter_lines()):
+            seen.append((data["job_hash"], kind))
+            if (first, "failed") in seen:
+                assert data["error"] == "RuntimeError: out of memory" and data["status"] == "FAILED"
+                break
     assert (first, "queued") in seen and (second, "queued") in seen
     assert seen.index((first, "queued")) < seen.index((second, "queued")) < seen.index((first, "failed"))
 

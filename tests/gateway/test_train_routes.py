@@ -47,7 +47,7 @@ def job_log(job_dir: Path, job_status: dict) -> list[str]:
 
 
 def test_train_and_get_with_the_scalarlm_client(llm, trainer):
-    examples = EXAMPLES + [{"input": "client", "output": "train"}]
+    examples = [*EXAMPLES, {"input": "client", "output": "train"}]
     reply = llm.train(examples, train_args={"max_steps": 7, "learning_rate": 1e-3, **LOADING})
     job_hash = reply["job_status"]["model_name"]
     params = {"max_steps": 7, "learning_rate": 1e-3, **LOADING, "llm_name": BASE_MODEL}
@@ -73,7 +73,7 @@ def test_train_and_get_with_the_scalarlm_client(llm, trainer):
 
 
 def test_same_data_twice_is_one_job_and_one_stored_dataset(llm, http, trainer, nats_bus):
-    examples = EXAMPLES + [{"input": "twice", "output": "once"}]
+    examples = [*EXAMPLES, {"input": "twice", "output": "once"}]
     # The client's tar.gz differs on every call (gzip header: temp file name, mtime); the job does not.
     first = llm.train(examples, train_args={"max_steps": 2})
     second = llm.train(examples, train_args={"max_steps": 2})
@@ -191,7 +191,7 @@ def test_plain_jsonlines_and_llm_name_given(http, trainer):
 def test_bad_params_are_a_422_naming_the_field_before_anything_is_stored(http, nats_bus, params, field):
     from nats.js.errors import NotFoundError
 
-    examples = EXAMPLES + [{"input": "refused", "output": field}]
+    examples = [*EXAMPLES, {"input": "refused", "output": field}]
     resp = post_train(http, archive({DATASET_FILE: jsonlines(examples)}), params)
     assert resp.status_code == 422, resp.text
     assert resp.json()["detail"].startswith(f"{field}: "), resp.json()["detail"]
@@ -200,7 +200,7 @@ def test_bad_params_are_a_422_naming_the_field_before_anything_is_stored(http, n
 
 
 def test_params_that_mean_the_same_are_one_job(http, trainer):
-    data = jsonlines(EXAMPLES + [{"input": "canonical", "output": "params"}])
+    data = jsonlines([*EXAMPLES, {"input": "canonical", "output": "params"}])
     first = post_train(http, data, {"max_steps": 4, "seed": None, "adapter_type": "LoRA", "gpus": 2}).json()
     second = post_train(http, data, {"adapter_type": "lora", "gpus": 2, "max_steps": 4}).json()
     job_hash = first["job_status"]["model_name"]

@@ -40,7 +40,8 @@ async def returns_early() -> None:
 
 async def ignores_stop(rt: runtime.Runtime) -> None:
     try:
-        while True:  # Invariant: none; this loop is the bug the runtime must survive.
+        # Invariant: none; this loop is the bug the runtime must survive.
+        while True:  # noqa: ASYNC110 - a loop that ignores the stop on purpose
             await asyncio.sleep(0.05)
     except asyncio.CancelledError:
         log.info("probe: stubborn cancelled (stopping %s)", rt.stopping.is_set())

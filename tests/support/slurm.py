@@ -57,7 +57,7 @@ class SlurmCluster:
     def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
         """A Slurm client command against this cluster."""
         return subprocess.run(argv, env={**os.environ, **self.env}, check=check, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
+                              capture_output=True, timeout=30)
 
     def node_state(self) -> str:
         out = self.run("sinfo", "-h", "-N", "-o", "%T", check=False)
@@ -181,10 +181,9 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         # -c: a clean start, no jobs from an earlier run; -i: ignore state it cannot recover.
         for name, argv in (("slurmctld", [SLURMCTLD, "-D", "-c", "-i"]),
                            ("slurmd", [SLURMD, "-D", "-N", "localhost"])):
-            log = open(root / "log" / f"{name}.stdout", "ab")
-            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-            log.close()
+            with open(root / "log" / f"{name}.stdout", "ab") as log:
+                proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
             cluster.procs.append(proc)
             if name == "slurmctld":
                 _wait(lambda: cluster.run("scontrol", "ping", check=False).returncode == 0,

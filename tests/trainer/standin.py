@@ -36,8 +36,12 @@ from pathlib import Path
 
 from loopline.common.train_params import JobConfig
 from loopline.ml.train.__main__ import run_program
-from loopline.ml.train.checkpoint_folders import (CHECKPOINT_FILES, latest_checkpoint, publish_checkpoint,
-                                                  remove_leftovers)
+from loopline.ml.train.checkpoint_folders import (
+    CHECKPOINT_FILES,
+    latest_checkpoint,
+    publish_checkpoint,
+    remove_leftovers,
+)
 from loopline.ml.train.status import JobReporter
 
 RUNS_FILE = "runs.txt"

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from loopline.common import subjects
-from loopline.common.db.engine import open_database, migrate
+from loopline.common.db.engine import migrate, open_database
 from loopline.common.job_layout import CHECKPOINTS_DIR, EVENTS_FILE, checkpoint_name
 from loopline.common.job_schemas import JobStatus
 from loopline.common.train_params import TrainParams
@@ -55,6 +55,12 @@ def new_job(registry: Registry, job_dir) -> Job:
         error=None, events_seq=0, events_offset=0))
 
 
+def append(path, *chunks: bytes) -> None:
+    """What the training program does to events.jsonl, a partial line included."""
+    with open(path, "ab") as f:
+        f.write(b"".join(chunks))
+
+
 async def stored(js, job_hash: str) -> list[tuple[int, str]]:
     info = await js.stream_info(subjects.EVENTS_STREAM)
     found = []
@@ -72,10 +78,9 @@ async def test_a_crash_before_the_cursor_is_stored_publishes_nothing_twice(nc, r
     job = new_job(registry, tmp_path / "h1")
     jobdir.append_event(job.job_dir, "queued")
     jobdir.append_event(job.job_dir, "started", step=0)
-    with open(job.job_dir / EVENTS_FILE, "ab") as f:
-        f.write(b"this line is not an event\n")
-        f.write(b'{"kind": "progress", "step": 1, "loss": 2.0}\n')
-        f.write(b'{"kind": "progress", "st')  # being written right now
+    append(job.job_dir / EVENTS_FILE, b"this line is not an event\n",
+           b'{"kind": "progress", "step": 1, "loss": 2.0}\n',
+           b'{"kind": "progress", "st')  # being written right now
 
     job = await publisher.publish_pending(job)
     assert (job.events_seq, registry.get("h1").events_seq) == (4, 4)
@@ -83,8 +88,7 @@ async def test_a_crash_before_the_cursor_is_stored_publishes_nothing_twice(nc, r
 
     # The trainer died after publishing and before storing the cursor: it publishes again.
     rolled_back = registry.update(job, events_seq=0, events_offset=0)
-    with open(job.job_dir / EVENTS_FILE, "ab") as f:
-        f.write(b'ep": 2, "loss": 1.0}\n')
+    append(job.job_dir / EVENTS_FILE, b'ep": 2, "loss": 1.0}\n')
     job = await publisher.publish_pending(rolled_back)
     assert job.events_seq == 5
     assert await stored(js, "h1") == [(1, "queued"), (2, "started"), (4, "progress"), (5, "progress")]
@@ -107,8 +111,7 @@ async def test_a_jobs_last_event_is_published_once_even_across_a_crash(nc, regis
 
     # Cancelled in SQL, then the trainer died before writing the event: it is written now.
     job = registry.update(job, status=JobStatus.CANCELLED, events_done=False)
-    with open(job.job_dir / EVENTS_FILE, "ab") as f:
-        f.write(b'{"kind": "progress", "step": 3}\n')
+    append(job.job_dir / EVENTS_FILE, b'{"kind": "progress", "step": 3}\n')
     job = await publisher.publish_final(job)
     assert job.events_done and registry.get("h1").events_done
     assert await stored(js, "h1") == [(1, "queued"), (2, "progress"), (3, "cancelled")]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from loopline.common.db.engine import open_database, migrate
+from loopline.common.db.engine import migrate, open_database
 from loopline.common.job_schemas import JobStatus
 from loopline.common.train_params import TrainParams, canonical
 from loopline.trainer.errors import InvalidRequest, JobNotFound

@@ -13,13 +13,16 @@ import tarfile
 
 import pytest
 
-from loopline.common import launcher as processes
-from loopline.common import subjects
-from loopline.common.job_layout import (CHECKPOINTS_DIR, DATASET_FILE, ENTRYPOINT_FILE, EVENTS_FILE,
-                                        checkpoint_name)
+from loopline.common import launcher as processes, subjects
+from loopline.common.job_layout import (
+    CHECKPOINTS_DIR,
+    DATASET_FILE,
+    ENTRYPOINT_FILE,
+    EVENTS_FILE,
+    checkpoint_name,
+)
 from loopline.common.job_schemas import ClusterInfo, JobList, JobSubmit, LogLines, SqueueReply
 from loopline.common.service_client import ServiceError
-
 from support.trainer import DATASET
 from support.trainer_process import local_launcher
 
@@ -299,7 +302,8 @@ async def test_a_run_submitted_just_before_a_crash_is_adopted_not_doubled(launch
         db.execute("UPDATE jobs SET slurm_job_id = NULL, attempts = 0 WHERE job_hash = ?", (info.job_hash,))
 
     await start_trainer(launcher_kind)
-    while (now := await client.get(info.job_hash)).slurm_job_id is None:
+    # Invariant: the restarted trainer has not adopted a run yet (polled: it says so only when asked).
+    while (now := await client.get(info.job_hash)).slurm_job_id is None:  # noqa: ASYNC110
         await asyncio.sleep(0.1)
     assert now.slurm_job_id == info.slurm_job_id and now.status.value == "TRAINING"
     await asyncio.sleep(0.5)  # a few reconcile passes: still the one run

@@ -16,8 +16,13 @@ import torch
 from loopline.common.job_layout import TRAINING_STATE_FILE
 from loopline.ml.adapters.io import write_adapter
 
-from .checkpoint_folders import (CHECKPOINT_FILES, latest_checkpoint, list_checkpoints, publish_checkpoint,
-                                 remove_leftovers)
+from .checkpoint_folders import (
+    CHECKPOINT_FILES,
+    latest_checkpoint,
+    list_checkpoints,
+    publish_checkpoint,
+    remove_leftovers,
+)
 
 __all__ = ["CHECKPOINT_FILES", "latest_checkpoint", "list_checkpoints", "load_training_state",
            "publish_checkpoint", "remove_leftovers", "save_checkpoint"]

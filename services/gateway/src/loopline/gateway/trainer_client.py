@@ -8,12 +8,14 @@ status here, no trainer running a 503, a trainer too slow a 504.
 
 from __future__ import annotations
 
-from typing import IO
+from io import BufferedIOBase
+from typing import IO, cast
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from nats.js.errors import ObjectNotFoundError
+from nats.js.object_store import ObjectStore
 from pydantic import BaseModel
 
 from loopline.common import subjects
@@ -40,7 +42,7 @@ class TrainerClient:
         self.js = js
         self.timeout_s = timeout_s
         self.service = ServiceClient(nc, "trainer", timeout_s)
-        self._datasets = None  # the object store, opened at the first upload
+        self._datasets: ObjectStore | None = None  # opened at the first upload
 
     # --- request-reply ------------------------------------------------------------------------------
     async def call(self, subject: str, body: BaseModel | None, reply: type[Reply],
@@ -90,14 +92,16 @@ class TrainerClient:
         try:
             if self._datasets is None:
                 self._datasets = await self.js.object_store(subjects.DATASETS_BUCKET)
+            store = self._datasets
             try:
-                await self._datasets.get_info(name)
+                await store.get_info(name)
                 return False
             except ObjectNotFoundError:
                 pass
-            await self._datasets.put(name, data)
+            # nats-py reads any file with readinto (a spooled temp file too); its hint says BufferedIOBase.
+            await store.put(name, cast("bytes | BufferedIOBase", data))
             return True
-        except Exception as exc:  # noqa: BLE001 - NATS down or JetStream refusing (storage full)
+        except Exception as exc:  # NATS down or JetStream refusing (storage full)
             raise ApiError(503, f"could not store the dataset: {exc}; retry",
                            headers={"Retry-After": "2"}) from exc
 
@@ -108,5 +112,5 @@ class TrainerClient:
         try:
             return await self.js.subscribe(subject_filter, stream=subjects.EVENTS_STREAM,
                                                   ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
-        except Exception as exc:  # noqa: BLE001 - NATS down
+        except Exception as exc:  # NATS down
             raise ApiError(503, f"cannot follow job events: {exc}; retry") from exc
