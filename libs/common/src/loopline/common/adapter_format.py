@@ -20,7 +20,7 @@ FORMAT_VERSION = 1
 AdapterType = Literal["tokenformer", "lora", "none"]
 ADAPTER_TYPES: tuple[str, ...] = get_args(AdapterType)
 # Not an adapter: the checkpoint holds every weight of the model (a full fine-tune).
-FULL_WEIGHTS = "none"
+FULL_WEIGHTS: AdapterType = "none"
 # The types that train an adapter beside the frozen base weights; an engine serves them on the base.
 FROZEN_BASE_TYPES: tuple[str, ...] = tuple(t for t in ADAPTER_TYPES if t != FULL_WEIGHTS)
 

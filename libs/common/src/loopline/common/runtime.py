@@ -154,7 +154,7 @@ class Runtime:
             # Invariant: while no loop has ended and no signal came, every loop is running; the
             # first loop to end, or the signal, starts the stop of all of them.
             done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            for task in done - {stop}:
+            for task in tasks.keys() & done:  # the loops that ended (the signal is not one)
                 self._loop_ended(tasks[task], task, during_stop=self.stopping.is_set())
             self.stopping.set()
             await self._stop_service()

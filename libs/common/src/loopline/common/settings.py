@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, JsonValue
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -19,7 +19,7 @@ MiB = 1024 * 1024
 GiB = 1024 * MiB
 
 
-def unset_means(text: str) -> dict[str, str]:
+def unset_means(text: str) -> dict[str, JsonValue]:
     """For a field whose ``None`` stands for a value derived at run time: that value, as the
     configuration table shows it (``json_schema_extra`` of its Field)."""
     return {"unset_means": text}

@@ -96,6 +96,7 @@ class LocalStack:
         return self.nats
 
     def restart_nats(self) -> None:
+        assert self.nats is not None, "restart_nats() before start_nats()"
         launcher.stop(self.nats)
         self.start_nats()
 

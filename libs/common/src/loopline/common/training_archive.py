@@ -21,7 +21,7 @@ import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import IO, BinaryIO
+from typing import IO
 
 from loopline.common.job_layout import CODE_DIR, DATASET_FILE
 
@@ -56,7 +56,7 @@ class InvalidDataset(ArchiveError):
 # --- reading an archive ----------------------------------------------------------------------------
 @dataclass
 class TrainingArchive:
-    dataset: BinaryIO  # dataset.jsonlines as uploaded, uncompressed, positioned at 0
+    dataset: IO[bytes]  # dataset.jsonlines as uploaded, uncompressed, positioned at 0
     dataset_sha256: str
     dataset_bytes: int
     examples: int
@@ -73,7 +73,8 @@ class TrainingArchive:
         self.close()
 
 
-def read_training_archive(source: str | Path | BinaryIO, max_bytes: int, max_members: int) -> TrainingArchive:
+def read_training_archive(source: str | Path | IO[bytes], max_bytes: int,
+                          max_members: int) -> TrainingArchive:
     """Read a tar, tar.gz or plain (optionally gzipped) jsonlines upload; ``source`` is a path or a
     seekable binary file. ``max_bytes`` caps the uncompressed content, ``max_members`` the entries."""
     if isinstance(source, (str, Path)):
@@ -95,7 +96,7 @@ def read_training_archive(source: str | Path | BinaryIO, max_bytes: int, max_mem
         raise BadArchive(f"the upload is not a readable tar, tar.gz or jsonlines file: {exc}") from exc
 
 
-def _decompressed(f: BinaryIO) -> IO[bytes]:
+def _decompressed(f: IO[bytes]) -> IO[bytes] | gzip.GzipFile:
     magic = f.read(2)
     f.seek(0)
     return gzip.GzipFile(fileobj=f, mode="rb") if magic == b"\x1f\x8b" else f
@@ -109,7 +110,7 @@ def _looks_like_tar(block: bytes) -> bool:
 class _Capped(io.RawIOBase):
     """A read-only view that refuses to deliver more than ``limit`` bytes (the tar-bomb guard)."""
 
-    def __init__(self, inner: IO[bytes], limit: int, what: str):
+    def __init__(self, inner: IO[bytes] | gzip.GzipFile, limit: int, what: str):
         self.inner, self.limit, self.what, self.seen = inner, limit, what, 0
 
     def readable(self) -> bool:
@@ -144,14 +145,14 @@ def _read_tar(capped: _Capped, max_bytes: int, max_members: int) -> TrainingArch
                 if name == DATASET_FILE:
                     if dataset is not None:
                         raise InvalidDataset(f"the archive holds {DATASET_FILE} twice")
-                    dataset = TrainingArchive(*_copy_dataset(tar.extractfile(member)))
+                    dataset = TrainingArchive(*_copy_dataset(_regular_file(tar, member)))
                 elif name.startswith(CODE_DIR + "/"):
                     if name in code_files:
                         raise UnsafeArchive(f"the archive holds {name} twice")
                     code_bytes += member.size
                     if code_bytes > MAX_CODE_BYTES:
                         raise ArchiveTooLarge(f"{CODE_DIR}/ is larger than {MAX_CODE_BYTES} bytes")
-                    code_files[name] = (tar.extractfile(member).read(), bool(member.mode & 0o111))
+                    code_files[name] = (_regular_file(tar, member).read(), bool(member.mode & 0o111))
                 # Anything else is not part of a job; it was checked for safety and is ignored.
     except tarfile.TarError as exc:
         if dataset is not None:
@@ -184,7 +185,14 @@ def _safe_name(member: tarfile.TarInfo) -> str | None:
     return "/".join(parts) or None
 
 
-def _copy_dataset(lines: Iterable[bytes]) -> tuple[BinaryIO, str, int, int]:
+def _regular_file(tar: tarfile.TarFile, member: tarfile.TarInfo) -> IO[bytes]:
+    contents = tar.extractfile(member)
+    if contents is None:  # only for what is not a regular file, which _safe_name refused already
+        raise UnsafeArchive(f"{member.name!r} is not a regular file")
+    return contents
+
+
+def _copy_dataset(lines: Iterable[bytes]) -> tuple[IO[bytes], str, int, int]:
     """Validate dataset.jsonlines line by line while spooling and hashing it as is."""
     out = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)  # noqa: SIM115 - returned open to the caller
     sha = hashlib.sha256()
