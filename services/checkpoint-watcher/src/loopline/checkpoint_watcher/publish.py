@@ -41,7 +41,8 @@ async def store_object(obs: ObjectStore, name: str, packed: Packed) -> None:
     except NotFoundError:  # also a deleted object
         pass
     packed.data.seek(0)
-    await obs.put(name, packed.data)
+    # nats-py reads any file with readinto (BytesIO, TemporaryFile); its annotation says BufferedIOBase.
+    await obs.put(name, packed.data)  # type: ignore[arg-type]
 
 
 async def announce(js: JetStreamContext, obs: ObjectStore, job_hash: str, base_model: str,

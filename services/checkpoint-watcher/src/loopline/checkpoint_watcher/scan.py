@@ -79,7 +79,9 @@ def watched_job(job_dir: Path) -> WatchedJob | None:
         return None
     if not isinstance(config, dict):
         return None
-    params = config.get("params") if isinstance(config.get("params"), dict) else {}
+    params = config.get("params")
+    if not isinstance(params, dict):
+        params = {}
     # llm_name is the name the model is served under (the inference replicas' deployment key);
     # model_path is only where it lies on disk, the fallback for a job written by hand.
     base = params.get("llm_name") or config.get("model_path")

@@ -42,7 +42,7 @@ class AdapterRegistry:
         self.served: dict[str, ServedAdapter] = {}
         # job -> why its newest checkpoint cannot be served (cleared when a later one loads).
         self.rejected: dict[str, str] = {}
-        self._sub = None
+        self._sub: JetStreamContext.PushSubscription | None = None
 
     async def start(self) -> None:
         # The ordered consumer is ephemeral: a restarted nats-server has lost it, and nats-py
@@ -84,7 +84,7 @@ class AdapterRegistry:
         except Exception as exc:  # noqa: BLE001 - NATS restarting: as good as not found, for now
             log.debug("looking up adapter %s failed: %s", job_hash, exc)
             return None
-        self.apply(AdapterEvent.model_validate_json(msg.data))
+        self.apply(AdapterEvent.model_validate_json(msg.data or b""))
         return self.served.get(job_hash)
 
     async def _on_event(self, msg) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from loopline.common import subjects
 from loopline.common.schemas import ResultItem
@@ -29,7 +30,7 @@ class Answers:
         # Unique per gateway process: a restarted gateway must not hear its predecessor's answers.
         self.gateway = uuid.uuid4().hex[:16]
         self._waiting: dict[str, Callable[[ResultItem], None]] = {}
-        self._sub = None
+        self._sub: Subscription | None = None
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(subjects.gateway_answers(self.gateway), cb=self._on_msg)

@@ -6,6 +6,9 @@ FastAPI users read ``{"detail": ...}``. Both carry an honest status code.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -33,6 +36,7 @@ def is_openai_path(path: str) -> bool:
 
 def error_response(request: Request, status: int, message: str, *, param: str | None = None,
                    type: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    body: dict[str, Any]
     if is_openai_path(request.url.path):
         body = {"error": {"message": message, "type": type or _TYPES.get(status, "server_error"),
                           "param": param, "code": status}}
@@ -41,7 +45,7 @@ def error_response(request: Request, status: int, message: str, *, param: str | 
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _describe(errors: list[dict]) -> tuple[str, str | None]:
+def _describe(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     where = ".".join(loc) or None

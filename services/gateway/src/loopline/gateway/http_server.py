@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterator
 
 import uvicorn
 from fastapi import FastAPI
@@ -35,10 +36,12 @@ class HttpServer(uvicorn.Server):
         config.load()
         super().__init__(config)
 
-    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
-    async def run(self, stopping: asyncio.Event) -> None:
+    # Not named run: uvicorn.Server.run(sockets) is its own blocking entry point.
+    async def serve_until(self, stopping: asyncio.Event) -> None:
         """The ``http`` loop: listen, serve until ``stopping`` is set, then let in-flight requests
         finish. The gateway is ready once it listens."""
         async def stop_when_told() -> None:

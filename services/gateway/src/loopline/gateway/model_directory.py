@@ -69,6 +69,7 @@ class ModelDirectory:
         """Re-read the served models. A read that fails for another reason than "nothing there"
         (NATS busy or reconnecting) keeps what we knew: under load a timed-out ``keys()`` used to
         empty the registry, and requests for a served model got 404 until the next refresh."""
+        assert self.bucket is not None, "start() first"
         try:
             keys = await self.bucket.keys()
         except NoKeysError:
@@ -80,14 +81,15 @@ class ModelDirectory:
         served = {}
         for key in keys:
             try:
-                info = DeploymentInfo.model_validate_json((await self.bucket.get(key)).value)
+                info = DeploymentInfo.model_validate_json((await self.bucket.get(key)).value or b"")
             except KeyNotFoundError:  # deleted between keys() and get()
                 continue
             except Exception as exc:  # noqa: BLE001 - unreadable now: keep what we had for it
                 log.debug("reading model %s failed: %s", key, exc)
-                info = known.get(key)
-                if info is None:
+                kept = known.get(key)
+                if kept is None:
                     continue
+                info = kept
             served[info.model] = info
         self.served = served
 

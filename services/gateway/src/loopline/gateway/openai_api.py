@@ -6,9 +6,11 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from nats.aio.subscription import Subscription
 
 from loopline.common.schemas import ResultItem, SamplingParams, TokenDelta
 from loopline.gateway.answers import Answers
@@ -106,7 +108,7 @@ class _Events:
         self.group, self.count = group, count
         self.queue: asyncio.Queue = asyncio.Queue()
         self.results: dict[int, ResultItem] = {}
-        self.subs = []
+        self.subs: list[Subscription] = []
         self.reply_to: str | None = None  # set by open()
 
     async def open(self, *, stream: bool) -> None:
@@ -186,7 +188,7 @@ class _Shape:
         """One request, one version; a completions request with several prompts is several work
         items, which may be pinned to different versions: then all of them, oldest first."""
         steps = sorted({r.adapter_step for r in results if r.adapter_step is not None})
-        return ",".join(self.fingerprint(s) for s in steps) or None
+        return ",".join(fp for s in steps if (fp := self.fingerprint(s)) is not None) or None
 
     def response(self, results: list[ResultItem]) -> dict:
         for result in results:
@@ -201,8 +203,9 @@ class _Shape:
         return obj
 
     def _chunk(self, choices: list[dict], usage: dict | None = None, fingerprint: str | None = None) -> str:
-        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "created": self.created, "model": self.model, "choices": choices}
+        obj: dict[str, Any] = {
+            "id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created, "model": self.model, "choices": choices}
         if fingerprint is not None:
             obj["system_fingerprint"] = fingerprint
         if usage is not None:

@@ -43,7 +43,7 @@ class Results:
         except Exception as exc:  # noqa: BLE001 - NATS restarting: the caller asks again later
             log.debug("lookup of %s.%d failed: %s", group, index, exc)
             return None
-        return ResultItem.model_validate_json(raw.data)
+        return ResultItem.model_validate_json(raw.data or b"")
 
     async def waiter(self, group: str) -> ResultWaiter:
         """A waiter for ``group``'s results, already listening; close it when done."""

@@ -37,6 +37,6 @@ async def run(rt: Runtime, settings: GatewaySettings) -> None:
     #    before NATS drains.
     server = HttpServer(create_app(settings, gateway), settings)
     await rt.serve({
-        "http": server.run(rt.stopping),
+        "http": server.serve_until(rt.stopping),
         "models": gateway.models.run(rt.stopping),
     })

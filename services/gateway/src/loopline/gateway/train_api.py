@@ -32,11 +32,10 @@ async def train(request: Request):
         if not isinstance(upload, UploadFile):
             raise ApiError(400, "the multipart body needs a 'file' part with the training archive",
                            param="file")
-        params = form.get("params")
-        if isinstance(params, UploadFile):  # sent with a filename: read it, but only so much
-            params = await params.read(MAX_PARAMS_BYTES)
-        params = parse_params(params)
-        return await submit_archive(request, upload.file, params)
+        raw_params: UploadFile | str | bytes | None = form.get("params")
+        if isinstance(raw_params, UploadFile):  # sent with a filename: read it, but only so much
+            raw_params = await raw_params.read(MAX_PARAMS_BYTES)
+        return await submit_archive(request, upload.file, parse_params(raw_params))
     finally:
         await form.close()
 

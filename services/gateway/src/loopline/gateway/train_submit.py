@@ -95,6 +95,7 @@ async def submit_archive(request: Request, source: Path | IO[bytes], params: Tra
             return respond(request, known)
         stored = await trainer.store_dataset(archive.dataset_sha256, archive.dataset)
         if archive.code is not None:
+            assert archive.code_sha256 is not None  # read_training_archive sets both
             await trainer.store_dataset(archive.code_sha256, archive.code)
         log.info("job %s: %d examples, dataset %s (%s)", job_hash, archive.examples,
                  archive.dataset_sha256[:12], "stored" if stored else "already stored")

@@ -28,6 +28,7 @@ class WorkPublisher:
 
     async def manifest(self, group: str) -> BatchManifest | None:
         """The batch's manifest if the batch was accepted (all its work stored), else None."""
+        assert self.batches is not None, "start() first"
         try:
             entry = await self.batches.get(group)
         except Exception:  # noqa: BLE001 - KeyNotFoundError and friends
@@ -50,6 +51,7 @@ class WorkPublisher:
             else:
                 await asyncio.gather(*(publish_one(item) for item in items))
             if manifest is not None:
+                assert self.batches is not None, "start() first"
                 await self.batches.put(manifest.group, manifest.model_dump_json().encode())
         except bus.StreamFull as exc:
             raise ApiError(429, f"the work queue is full: {exc}; retry later",
