@@ -56,6 +56,7 @@ def unpack(archive: Path, folder: Path) -> Path:
                 if name not in wanted or not member.isfile() or name in found:
                     raise BadArchive(f"unexpected member {member.name!r} in the adapter archive")
                 source = tar.extractfile(member)
+                assert source is not None  # a regular file (isfile above) always has contents
                 with source, open(out / name, "wb") as dest:
                     shutil.copyfileobj(source, dest)
                 found.add(name)

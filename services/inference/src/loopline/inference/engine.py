@@ -8,7 +8,7 @@ for every engine, so the vLLM engine and the reference engine see identical toke
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +92,14 @@ def vllm_available() -> bool:
     except Exception:  # noqa: BLE001 - a broken install counts as absent: fall back, don't crash
         return False
     return True
+
+
+def decode_text(tokenizer: Any, token_ids: Sequence[int]) -> str:
+    """One sequence's text, special tokens left out (transformers types decode() for a batch too,
+    as ``str | list[str]``; one sequence decodes to one str)."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    assert isinstance(text, str)
+    return text
 
 
 def build_engine(kind: str, model_path: str, *, max_model_len: int | None, max_inflight: int,

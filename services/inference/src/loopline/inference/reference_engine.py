@@ -21,6 +21,7 @@ from loopline.inference.engine import (
     EngineInfo,
     GenerationRequest,
     Sampling,
+    decode_text,
 )
 
 
@@ -117,7 +118,7 @@ class ReferenceEngine(Engine):
                     break
                 ids.append(token)
                 inputs = torch.tensor([[token]])
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                text = decode_text(self.tokenizer, ids)
                 if text.endswith("\ufffd"):
                     continue  # half a multi-byte character: wait for the rest
                 if any(stop in text for stop in s.stop):
@@ -128,7 +129,7 @@ class ReferenceEngine(Engine):
                     emit(Delta(choice, ready[len(sent):], len(ids)))
                     sent = ready
         # Flush what was held back, cut at the first stop string (which is never sent).
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = decode_text(self.tokenizer, ids)
         cut = min((text.find(stop) for stop in s.stop if stop in text), default=-1)
         if cut >= 0:
             text = text[:cut]

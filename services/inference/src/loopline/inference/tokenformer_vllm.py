@@ -93,7 +93,7 @@ def install() -> None:
         _patch_init_guard(peft_helper.PEFTHelper)
         # Lets a client read the batch statistics from the worker process:
         # ``await async_llm.collective_rpc("loopline_tokenformer_stats")``.
-        worker_base.WorkerBase.loopline_tokenformer_stats = _worker_stats
+        worker_base.WorkerBase.loopline_tokenformer_stats = _worker_stats  # type: ignore[attr-defined]
         _installed = True
         log.info("Tokenformer plugin installed")
 
@@ -108,7 +108,7 @@ def _wrap(cls: type, name: str, after) -> None:
         after(self, result, *args, **kwargs)
         return result
 
-    wrapper.__loopline_original__ = original
+    wrapper.__loopline_original__ = original  # type: ignore[attr-defined]  # the unpatched method
     setattr(cls, name, wrapper)
 
 
@@ -127,7 +127,7 @@ def theta_unscaled(scores):
     return (g / norm).to(scores.dtype)
 
 
-def _theta_wrapper_class_body(base: type) -> dict:
+def _theta_wrapper_class_body(base: type[Any]) -> dict:
     """A subclass of the platform's punica wrapper class whose ``add_expand`` applies Θ first.
 
     The masks are persistent buffers refreshed in place before each forward, so a captured CUDA
@@ -191,7 +191,7 @@ def _wrappers(manager) -> list:
 def _after_init_punica_wrapper(manager, _result, *args, **kwargs) -> None:
     manager._ll_tokenformer_ids = set()
     for w in _wrappers(manager):
-        w.__class__ = _theta_class(type(w))
+        w.__class__ = _theta_class(type(w))  # type: ignore[arg-type]  # mypy: type[Any] is not Hashable
         size = w._token_lora_indices.shape[0]  # vLLM's own per-token buffer: same capacity
         w._ll_theta_mask = torch.zeros(size, dtype=torch.bool, device=w.device)
         w._ll_adapter_mask = torch.zeros(size, dtype=torch.bool, device=w.device)
@@ -276,7 +276,7 @@ def _check_servable(worker_manager, lora, path: Path) -> None:
         raise ValueError(f"{path}: Tokenformer with tensor parallelism needs fully_sharded_loras=True")
 
 
-def _patch_init_guard(peft_helper_cls: type) -> None:
+def _patch_init_guard(peft_helper_cls: type[Any]) -> None:
     from loopline.inference.adapters_vllm import TOKENFORMER_INIT
 
     original = peft_helper_cls._init_is_supported
@@ -285,7 +285,7 @@ def _patch_init_guard(peft_helper_cls: type) -> None:
     def _init_is_supported(self) -> bool:
         return self.init_lora_weights == TOKENFORMER_INIT or original(self)
 
-    _init_is_supported.__loopline_original__ = original
+    _init_is_supported.__loopline_original__ = original  # type: ignore[attr-defined]  # for the tests
     peft_helper_cls._init_is_supported = _init_is_supported
 
 

@@ -7,9 +7,19 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from loopline.inference.engine import AdapterRejected, Delta, Engine, EngineInfo, GenerationRequest
+from loopline.inference.engine import (
+    AdapterRejected,
+    Delta,
+    Engine,
+    EngineInfo,
+    GenerationRequest,
+    decode_text,
+)
+
+if TYPE_CHECKING:  # vLLM is imported when the engine starts, not with this module
+    from vllm.v1.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +70,7 @@ class VllmEngine(Engine):
         self.max_cpu_loras = max_cpu_loras
         # Further AsyncEngineArgs fields, applied last (tests: logprobs_mode="raw_logits", ...).
         self.engine_args = dict(engine_args or {})
-        self.llm = None
+        self.llm: AsyncLLM | None = None  # start() makes it
         # vLLM names adapters by an int id that must never be reused for other weights.
         self._lora_ids = 0
 
@@ -96,13 +106,13 @@ class VllmEngine(Engine):
                 "max_cpu_loras": self.max_cpu_loras or 2 * self.max_loras} if self.enable_lora else {}),
         )
         args = AsyncEngineArgs(**{**fields, **self.engine_args})
-        self.llm = AsyncLLM.from_engine_args(args)
+        self.llm = llm = AsyncLLM.from_engine_args(args)
         from transformers import AutoTokenizer
 
         # Our own for decoding finished requests: vLLM's is wrapped in a locked pool of copies
         # made for its thread pool, which this event loop does not need.
-        self._tokenizer = AutoTokenizer.from_pretrained(self.llm.vllm_config.model_config.tokenizer)
-        max_len = self.llm.vllm_config.model_config.max_model_len
+        self._tokenizer = AutoTokenizer.from_pretrained(llm.vllm_config.model_config.tokenizer)
+        max_len = llm.vllm_config.model_config.max_model_len
         self.info = EngineInfo(name="vllm", max_model_len=max_len)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
@@ -133,13 +143,14 @@ class VllmEngine(Engine):
         # small CPU machine costs the event loop more than the rendering itself.
         prompt = tokens_input(request.prompt_token_ids)
         # request.adapter is the LoRARequest of the version this request pinned (load_adapter).
+        assert self.llm is not None, "start() first"
         async for output in self.llm.generate(prompt, params, request.request_id,
                                               lora_request=request.adapter):
             for out in output.outputs:
                 counts[out.index] += len(out.token_ids)
                 text = out.text
                 if decode_at_end:
-                    text = self._tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                    text = decode_text(self._tokenizer, out.token_ids)
                 if text or out.finish_reason:
                     yield Delta(out.index, text, counts[out.index], out.finish_reason)
 
@@ -153,6 +164,7 @@ class VllmEngine(Engine):
         the first request on the version does not pay for loading."""
         from vllm.lora.request import LoRARequest
 
+        assert self.llm is not None, "start() first"
         if not self.llm.vllm_config.lora_config:
             raise AdapterRejected("this replica's vLLM runs without LoRA support (enable_lora off)")
         if config.get("adapter_type") == "none":
