@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from typing import Any
 
 from loopline.common import subjects
 from loopline.common.db.engine import migrate, open_database
@@ -51,7 +52,8 @@ async def run(rt: Runtime, settings: QueueSettings) -> None:
     await endpoints.add_to(service)
 
     # 5. Run the loops until told to stop; each finishes the step it is in, so written rows get acked.
-    stop, feed = rt.stopping, {"batch": settings.ledger_batch, "linger_s": settings.ledger_linger_s}
+    stop = rt.stopping
+    feed: dict[str, Any] = {"batch": settings.ledger_batch, "linger_s": settings.ledger_linger_s}
     await rt.serve({
         "ledger-work": run_feed(WORK_FEED, js, db, stopping=stop, **feed),
         "ledger-results": run_feed(RESULTS_FEED, js, db, stopping=stop, **feed),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from nats.micro.request import Request
@@ -139,7 +139,7 @@ def _parse(req: Request, model: type[BaseModel]):
         raise InvalidRequest(f"bad {model.__name__}: {exc}") from exc
 
 
-def _answering(name: str, handler: Handler) -> Callable[[Request], Awaitable[None]]:
+def _answering(name: str, handler: Handler) -> Callable[[Request], Coroutine[Any, Any, None]]:
     """Send the handler's reply, or its refusal as a nats.micro error with the HTTP status."""
 
     async def answer(req: Request) -> None:

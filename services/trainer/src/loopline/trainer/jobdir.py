@@ -151,7 +151,7 @@ def read_events(job_dir: Path, offset: int, max_lines: int,
     try:
         with open(job_dir / EVENTS_FILE, "rb") as f:
             f.seek(offset)
-            lines = []
+            lines: list[bytes] = []
             while len(lines) < max_lines:
                 line = f.readline()
                 if not line.endswith(b"\n") or (until is not None and offset + len(line) > until):

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Any
 
 from loopline.common import bus
 from loopline.common.job_schemas import JobStatus
@@ -127,7 +128,7 @@ async def _copy_progress(control: JobControl, job: Job) -> Job:
     status = await asyncio.to_thread(jobdir.read_status, job.job_dir)
     if not status:
         return job
-    changes = {}
+    changes: dict[str, Any] = {}
     if job.status is JobStatus.QUEUED and status.get("status") in ("TRAINING", "COMPLETED", "FAILED"):
         changes["status"] = JobStatus.TRAINING
         changes["started_at"] = job.started_at or status.get("started_at") or time.time()

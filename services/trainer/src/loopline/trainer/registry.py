@@ -7,6 +7,7 @@ made to one job.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,7 +118,7 @@ class Registry:
             rows = s.scalars(sa.select(JobRow).order_by(JobRow.created_at.desc())).all()
             return [Job.from_row(r) for r in rows]
 
-    def to_reconcile(self) -> list[Job]:
+    def to_reconcile(self) -> builtins.list[Job]:  # in this class, `list` is the method above
         """Unfinished jobs, and finished ones whose last event is not published yet."""
         live = (JobStatus.QUEUED.value, JobStatus.TRAINING.value)
         with Session(self.engine) as s:
