@@ -231,7 +231,7 @@ async def test_announced_checkpoint_serves_the_trained_answers(nats, vllm, lora)
     print(f"\nannounce -> loaded {loaded.latency_s:.3f} s (load {loaded.load_s:.3f} s); announce -> "
           f"answers {first_response_s:.3f} s (asked {started - announce.created_at:.3f} s after)")
     # The base model, beside it, still answers as the base model.
-    assert all(t != a for t, a in zip(await vllm.texts([q for q, _ in PAIRS], None), ANSWERS))
+    assert all(t != a for t, a in zip(await vllm.texts([q for q, _ in PAIRS], None), ANSWERS, strict=True))
     # A job nobody announced is a clear 404, not a hang.
     [unknown] = await vllm.ask(["hi"], new_hash())
     assert unknown.error is not None and unknown.error.status == 404
@@ -274,8 +274,8 @@ async def test_new_checkpoint_flips_the_job_while_pinned_requests_finish(nats, v
 
 @needs_vllm
 async def test_full_weight_checkpoint_is_rejected_by_vllm_with_the_reason(nats, vllm, tmp_path):
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     checkpoint = tmp_path / checkpoint_name(1)
     checkpoint.mkdir()
