@@ -106,13 +106,13 @@ class VllmEngine(Engine):
                 "max_cpu_loras": self.max_cpu_loras or 2 * self.max_loras} if self.enable_lora else {}),
         )
         args = AsyncEngineArgs(**{**fields, **self.engine_args})
-        self.llm = llm = AsyncLLM.from_engine_args(args)
+        self.llm = AsyncLLM.from_engine_args(args)
         from transformers import AutoTokenizer
 
         # Our own for decoding finished requests: vLLM's is wrapped in a locked pool of copies
         # made for its thread pool, which this event loop does not need.
-        self._tokenizer = AutoTokenizer.from_pretrained(llm.vllm_config.model_config.tokenizer)
-        max_len = llm.vllm_config.model_config.max_model_len
+        self._tokenizer = AutoTokenizer.from_pretrained(self.llm.vllm_config.model_config.tokenizer)
+        max_len = self.llm.vllm_config.model_config.max_model_len
         self.info = EngineInfo(name="vllm", max_model_len=max_len)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
