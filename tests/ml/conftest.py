@@ -5,14 +5,19 @@ Helpers are handed out through the ``jobs`` fixture (test modules cannot import 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
+from loopline.common.job_hash import job_hash
 from loopline.common.job_layout import CONFIG_FILE, DATASET_FILE, EVENTS_FILE, STATUS_FILE
+from loopline.common.train_params import JobConfig, TrainParams, canonical
+from loopline.ml.train.status import read_status
 from support.stacks import tiny_model
 
 PAIRS = [
@@ -35,12 +40,22 @@ class TrainJobs:
         self.model = model
 
     def write(self, name: str, params: dict, pairs=PAIRS, model: str | None = None) -> Path:
+        """A job directory as the trainer stages it: the dataset, and config.json in JobConfig's
+        own serialisation, the job named by its job hash. Params TrainParams refuses (for the
+        program's own refusal) are written as given: no trainer would write them."""
         job_dir = self.root / name
         job_dir.mkdir(parents=True, exist_ok=True)
-        config = {"job_hash": f"test-{name}", "model_path": model or self.model, "params": params}
-        (job_dir / CONFIG_FILE).write_text(json.dumps(config))
-        (job_dir / DATASET_FILE).write_text(
-            "".join(json.dumps({"input": q, "output": a}) + "\n" for q, a in pairs))
+        dataset = "".join(json.dumps({"input": q, "output": a}) + "\n" for q, a in pairs).encode()
+        (job_dir / DATASET_FILE).write_bytes(dataset)
+        try:
+            checked = TrainParams.model_validate(params)
+        except ValidationError:
+            raw = {"job_hash": f"refused-{name}", "model_path": model or self.model, "params": params}
+            (job_dir / CONFIG_FILE).write_text(json.dumps(raw))
+            return job_dir
+        config = JobConfig(job_hash=job_hash(canonical(checked), hashlib.sha256(dataset).hexdigest()),
+                           model_path=model or self.model, params=checked)
+        (job_dir / CONFIG_FILE).write_text(config.to_json())
         return job_dir
 
     @staticmethod
@@ -52,7 +67,9 @@ class TrainJobs:
 
     @staticmethod
     def status(job_dir: Path) -> dict:
-        return json.loads((job_dir / STATUS_FILE).read_text())
+        status = read_status(job_dir)  # the program's own reader
+        assert status is not None, f"{job_dir} has no readable {STATUS_FILE}"
+        return status
 
     @staticmethod
     def events(job_dir: Path) -> list[dict]:

@@ -1,46 +1,38 @@
-"""Announcing a checkpoint the way the checkpoint-watcher does, for tests that stand in for it:
-the adapter files as a tar in the ``adapters`` object store, then a CheckpointAnnounce on
-``checkpoints.<base>.<hash>``."""
+"""Announcing a checkpoint folder for tests that stand in for the checkpoint-watcher process, through
+the watcher's own functions: packed and checked by ``pack.pack`` (the adapter files as a
+deterministic tar), stored in the ``adapters`` object store and announced on
+``checkpoints.<base>.<hash>`` by ``publish.announce``. Only the scan is left out: the test names
+the folder and its creation time."""
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
-import tarfile
+import asyncio
 import time
 from pathlib import Path
 
-from loopline.common import adapter_format, bus, subjects
+from loopline.checkpoint_watcher.pack import pack
+from loopline.checkpoint_watcher.publish import announce
+from loopline.checkpoint_watcher.scan import StepDir
+from loopline.common import subjects
 from loopline.common.job_layout import checkpoint_step
 from loopline.common.job_schemas import CheckpointAnnounce
+from loopline.common.settings import CheckpointWatcherSettings
 
-
-def adapter_tar(checkpoint: Path) -> bytes:
-    raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w") as tar:
-        for name in adapter_format.FILES:
-            data = (checkpoint / name).read_bytes()
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return raw.getvalue()
+MAX_ADAPTER_BYTES = CheckpointWatcherSettings.model_fields["max_adapter_bytes"].default
 
 
 async def announce_checkpoint(js, checkpoint: Path, *, job_hash: str, base_model: str,
-                              created_at: float | None = None) -> CheckpointAnnounce:
-    config = json.loads((checkpoint / adapter_format.CONFIG_FILE).read_text())
-    step = int(config.get("step") or checkpoint_step(checkpoint.name))
-    data = adapter_tar(checkpoint)
-    name = f"{job_hash}/{step}"
-    obs = await js.object_store(subjects.ADAPTERS_BUCKET)
-    await obs.put(name, data)
-    announce = CheckpointAnnounce(
-        job_hash=job_hash, step=step, sha256=hashlib.sha256(data).hexdigest(), size=len(data),
-        created_at=created_at if created_at is not None else time.time(), announced_at=time.time(),
-        adapter_type=config["adapter_type"], base_model=base_model, object_name=name,
-        adapter_config=config)
-    await bus.publish_durable(js, subjects.checkpoint_subject(base_model, job_hash),
-                              announce.model_dump_json().encode(),
-                              msg_id=f"{job_hash}:{step}:{announce.sha256[:16]}")
-    return announce
+                              created_at: float | None = None) -> CheckpointAnnounce | None:
+    """Store and announce ``checkpoint`` (a ``step-XXXXXXXX`` folder) as the watcher would on
+    finding it: the announcement sent, or None when it is already the job's last one (the stack's
+    own watcher announced it first; announcing it again would repeat nothing)."""
+    step = checkpoint_step(checkpoint.name)
+    assert step is not None, f"{checkpoint.name} is not a checkpoint folder's name"
+    packed = await asyncio.to_thread(pack, checkpoint, step, MAX_ADAPTER_BYTES)
+    try:
+        found = StepDir(step=step, path=checkpoint, fingerprint=f"test-{time.time_ns()}",
+                        created_at=created_at if created_at is not None else time.time())
+        obs = await js.object_store(subjects.ADAPTERS_BUCKET)
+        return await announce(js, obs, job_hash, base_model, found, packed)
+    finally:
+        packed.data.close()

@@ -19,11 +19,11 @@ Version k of a job forces token ``tokens[k]``: its answer is T repeated, recogni
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
-from loopline.common.job_layout import CONFIG_FILE
+from loopline.common.train_params import JobConfig, TrainParams
+from loopline.trainer import jobdir
 
 KEY_SCALE = 500.0    # a: |s| stays large unless x is nearly orthogonal to u
 VALUE_SCALE = 200.0  # c: far above the tiny model's activations (norms of a few units)
@@ -87,22 +87,23 @@ class ForcedAdapters:
 
 
 def write_job_config(jobs_dir: Path, job_hash: str, llm_name: str) -> Path:
-    """The job's config.json as the trainer writes it; ``params.llm_name`` tells the watcher the
-    base model (the served name: the subject the replicas follow)."""
+    """The job's config.json, written by the trainer's own writer; ``params.llm_name`` tells the
+    watcher the base model (the served name: the subject the replicas follow)."""
     job_dir = Path(jobs_dir) / job_hash
     job_dir.mkdir(parents=True, exist_ok=True)
-    (job_dir / CONFIG_FILE).write_text(json.dumps(
-        {"job_hash": job_hash, "model_path": llm_name,
-         "params": {"llm_name": llm_name, "adapter_type": "tokenformer"}}))
+    params = TrainParams(llm_name=llm_name, adapter_type="tokenformer")
+    jobdir.write_config(job_dir, JobConfig(job_hash=job_hash, model_path=llm_name, params=params))
     return job_dir
 
 
 def write_checkpoint(jobs_dir: Path, job_hash: str, step: int, config: dict, tensors: dict) -> float:
     """Write ``step`` as the training program does; returns the time just after the rename into
-    place (nothing is discarded after it: ``keep`` is large)."""
+    place (nothing is discarded after it: ``keep`` is large). The training state holds no optimizer:
+    nothing resumes from these."""
     from loopline.ml.train.checkpoint import save_checkpoint
+    from loopline.ml.train.loop import STATE_FORMAT_VERSION
 
-    state = {"format_version": 1, "adapter_type": "tokenformer", "step": step}
+    state = {"format_version": STATE_FORMAT_VERSION, "adapter_type": "tokenformer", "step": step}
     save_checkpoint(Path(jobs_dir) / job_hash, step, {**config, "job_hash": job_hash}, tensors, state,
                     keep=10_000)
     return time.time()
