@@ -29,6 +29,7 @@ from typing import Any
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
+from nats.js.object_store import ObjectStore
 
 from loopline.common import bus, subjects
 from loopline.common.job_hash import is_job_hash
@@ -83,8 +84,8 @@ class AdapterManager:
         self._queued: set[str] = set()
         self._loads = 0
         self._tasks: set[asyncio.Task] = set()
-        self._sub = None
-        self._obs = None
+        self._sub: JetStreamContext.PushSubscription | None = None
+        self._obs: ObjectStore | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -181,7 +182,7 @@ class AdapterManager:
                     break  # rejected: the event said why; a newer checkpoint may do better
                 log.warning("loading %s failed (%s); retrying", job_hash[:12], exc.message)
                 await asyncio.sleep(0.5 * 2 ** attempt)
-            except Exception:  # noqa: BLE001 - keep loading other jobs whatever happens
+            except Exception:  # keep loading other jobs whatever happens
                 log.exception("loading the adapter of %s failed", job_hash[:12])
                 break
 
@@ -191,9 +192,9 @@ class AdapterManager:
             msg = await self.js.get_last_msg(subjects.CHECKPOINTS_STREAM, subject)
         except NotFoundError:
             raise AdapterUnavailable(404, f"job {job_hash} has no checkpoint for {self.base_model}") from None
-        except Exception as exc:  # noqa: BLE001 - NATS restarting
+        except Exception as exc:  # NATS restarting
             raise AdapterUnavailable(503, f"cannot look up the checkpoints of {job_hash}: {exc}") from exc
-        announce = CheckpointAnnounce.model_validate_json(msg.data)
+        announce = CheckpointAnnounce.model_validate_json(msg.data or b"")
         self.announces.setdefault(job_hash, announce)
 
     # --- loading ----------------------------------------------------------------------------------
@@ -246,7 +247,7 @@ class AdapterManager:
         except (AdapterRejected, BadArchive, ValueError) as exc:
             await asyncio.to_thread(shutil.rmtree, folder, True)
             raise _Refused(str(exc)) from exc
-        except Exception as exc:  # noqa: BLE001 - the object store is unreachable: may pass
+        except Exception as exc:  # the object store is unreachable: may pass
             await asyncio.to_thread(shutil.rmtree, folder, True)
             raise AdapterUnavailable(503, f"could not fetch {announce.object_name}: {exc!r}") from exc
         return Version(announce.job_hash, announce.step, announce.sha256, handle, folder)
@@ -280,7 +281,7 @@ class AdapterManager:
     async def _unload(self, version: Version) -> None:
         try:
             await self.engine.unload_adapter(version.handle)
-        except Exception:  # noqa: BLE001 - the engine is stopping; nothing left to free
+        except Exception:  # the engine is stopping; nothing left to free
             log.exception("unloading %s step %d failed", version.job_hash[:12], version.step)
         await asyncio.to_thread(shutil.rmtree, version.folder, True)
         log.info("unloaded %s step %d", version.job_hash[:12], version.step)

@@ -70,7 +70,7 @@ async def run_feed(
         while not stopping.is_set():
             try:
                 msgs = await sub.fetch(batch, timeout=FETCH_WAIT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 # nats-py raises its own TimeoutError or a bare asyncio one depending on where the
                 # wait ran out; the first subclasses the second.
                 continue
@@ -92,7 +92,7 @@ async def run_feed(
 
             try:
                 refused = await _write(feed, engine, items, good)
-            except Exception:  # noqa: BLE001 - the database may be restarting; let JetStream retry
+            except Exception:  # the database may be restarting; let JetStream retry
                 log.exception(
                     "ledger %s: writing %d rows failed; they will be redelivered", feed.name, len(items)
                 )
@@ -140,5 +140,5 @@ async def _write(feed: Feed, engine: Engine, items: list, msgs: list[Msg]) -> li
 async def _sleep_unless(stopping: asyncio.Event, seconds: float) -> None:
     try:
         await asyncio.wait_for(stopping.wait(), timeout=seconds)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
