@@ -17,9 +17,10 @@ import nats.errors
 import pytest
 
 from loopline.common import bus, launcher, subjects
-from loopline.common.job_layout import CHECKPOINTS_DIR, CONFIG_FILE, checkpoint_name, checkpoint_temp_prefix
+from loopline.common.job_layout import CHECKPOINTS_DIR, checkpoint_name, checkpoint_temp_prefix
 from loopline.common.job_schemas import AdapterEvent, CheckpointAnnounce
-from loopline.common.train_params import TOKENFORMER_TARGET_MODULES
+from loopline.common.train_params import TOKENFORMER_TARGET_MODULES, JobConfig, TrainParams
+from loopline.trainer import jobdir
 from support.stacks import tiny_model
 
 MODEL = "tiny"  # the served name; the job's llm_name, <base> of the subjects
@@ -47,24 +48,27 @@ def adapter():
 
 
 class Jobs:
-    """Job directories as the trainer lays them out, and checkpoints as the training program writes
-    them (loopline.ml.train.checkpoint.save_checkpoint: temp folder, fsync, rename)."""
+    """Job directories as the trainer lays them out (its own config writer), and checkpoints as the
+    training program writes them (loopline.ml.train.checkpoint.save_checkpoint: temp folder, fsync,
+    rename)."""
 
     def __init__(self, root: Path, adapter):
         self.root = root
         self.config, self.tensors = adapter
+        self._staged: dict[Path, int] = {}  # temp folder -> the step it holds
 
     def job(self, job_hash: str, llm_name: str = MODEL) -> Path:
         job_dir = self.root / job_hash
         job_dir.mkdir(parents=True, exist_ok=True)
-        config = {"job_hash": job_hash, "model_path": "/models/tiny", "params": {"llm_name": llm_name}}
-        (job_dir / CONFIG_FILE).write_text(json.dumps(config))
+        params = TrainParams(llm_name=llm_name, adapter_type="tokenformer")
+        jobdir.write_config(job_dir, JobConfig(job_hash=job_hash, model_path="/models/tiny", params=params))
         return job_dir
 
     def checkpoint(self, job_hash: str, step: int, keep: int = 100) -> Path:
         from loopline.ml.train.checkpoint import save_checkpoint
+        from loopline.ml.train.loop import STATE_FORMAT_VERSION
 
-        state = {"format_version": 1, "adapter_type": "tokenformer", "step": step}
+        state = {"format_version": STATE_FORMAT_VERSION, "adapter_type": "tokenformer", "step": step}
         return save_checkpoint(self.root / job_hash, step, {**self.config, "job_hash": job_hash},
                                self.tensors, state, keep)
 
@@ -76,13 +80,12 @@ class Jobs:
         tmp = Path(tempfile.mkdtemp(prefix=checkpoint_temp_prefix(step), dir=root))
         tmp.rmdir()
         done.rename(tmp)
+        self._staged[tmp] = step
         return tmp
 
-    @staticmethod
-    def publish(tmp: Path) -> Path:
+    def publish(self, tmp: Path) -> Path:
         """Rename a staged checkpoint into place, as the training program does."""
-        step = int(tmp.name.split("-")[2])
-        final = tmp.with_name(checkpoint_name(step))
+        final = tmp.with_name(checkpoint_name(self._staged.pop(tmp)))
         tmp.rename(final)
         return final
 

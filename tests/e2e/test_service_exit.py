@@ -24,6 +24,8 @@ import pytest
 
 from loopline.common import bus, launcher, runtime, subjects
 from loopline.common.schemas import ResultItem, SamplingParams, ServiceStatus, WorkItem
+from loopline.gateway.submit import request_id
+from loopline.gateway.work import WorkPublisher
 from support.kill_loop import KILLED
 from support.stacks import MODELS_DIR, tiny_model
 
@@ -202,12 +204,11 @@ async def stop_while_generating(proc: launcher.Proc, replica: Service, env: dict
         await status_of(nc, proc, replica, env)
         js = nc.jetstream()
         group = f"stop{time.monotonic_ns()}"
-        for i in range(prompts):
-            item = WorkItem(request_id=f"{group}_{i:09d}", group=group, index=i, model="tiny",
-                            prompt=f"Count slowly from {i} to a hundred:",
-                            sampling=SamplingParams(max_tokens=48))
-            await bus.publish_durable(js, subjects.work(subjects.deployment_key("tiny")),
-                                      item.model_dump_json().encode(), msg_id=item.request_id)
+        items = [WorkItem(request_id=request_id(group, i), group=group, index=i, model="tiny",
+                          prompt=f"Count slowly from {i} to a hundred:",
+                          sampling=SamplingParams(max_tokens=48))
+                 for i in range(prompts)]
+        await WorkPublisher(js, retry_after_s=1).publish(None, items, subjects.deployment_key("tiny"))
         # Polls the replica's status over NATS: no event in this process to wait on.
         while (in_flight := (await status_of(nc, proc, replica, env, 60)).detail["in_flight"]) < 1:  # noqa: ASYNC110
             await asyncio.sleep(0.05)

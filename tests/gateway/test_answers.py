@@ -10,11 +10,12 @@ import nats
 from loopline.common import subjects
 from loopline.common.schemas import Choice, ResultItem
 from loopline.gateway.answers import Answers
+from loopline.gateway.submit import request_id
 from support.nats import nats_server
 
 
 def result(group: str, index: int) -> ResultItem:
-    return ResultItem(request_id=f"{group}_{index:09d}", group=group, index=index, model="tiny",
+    return ResultItem(request_id=request_id(group, index), group=group, index=index, model="tiny",
                       choices=[Choice(text="hi")], prompt_tokens=1, replica="r1", started_at=0.0)
 
 

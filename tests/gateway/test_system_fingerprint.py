@@ -12,12 +12,13 @@ import json
 from loopline.common.schemas import Choice, ResultItem, TokenDelta
 from loopline.gateway.openai_api import _Shape
 from loopline.gateway.scalarlm_api import result_entry
+from loopline.gateway.submit import request_id
 
 JOB = "ab" * 32
 
 
 def result(index: int, text: str, step: int | None) -> ResultItem:
-    return ResultItem(request_id=f"g_{index:09d}", group="g", index=index, model=JOB,
+    return ResultItem(request_id=request_id("g", index), group="g", index=index, model=JOB,
                       choices=[Choice(text=text, finish_reason="stop", completion_tokens=2)],
                       adapter_step=step)
 

@@ -24,6 +24,8 @@ from loopline.common import adapter_format, bus, subjects
 from loopline.common.job_layout import CHECKPOINTS_DIR, CONFIG_FILE, DATASET_FILE, checkpoint_name
 from loopline.common.job_schemas import AdapterEvent
 from loopline.common.schemas import ResultItem, SamplingParams, WorkItem
+from loopline.gateway.submit import request_id
+from loopline.gateway.work import WorkPublisher
 from loopline.inference.adapters import AdapterManager
 from loopline.inference.engine import GenerationRequest, Sampling, vllm_available
 from loopline.inference.prompts import PromptBuilder
@@ -95,7 +97,7 @@ class Bus:
         async def on_msg(msg):
             queue.put_nowait(AdapterEvent.model_validate_json(msg.data))
 
-        await self.nc.subscribe(f"events.adapters.{job_hash}.*", cb=on_msg)
+        await self.nc.subscribe(subjects.adapter_event(job_hash, "*"), cb=on_msg)
         return queue
 
 
@@ -153,11 +155,10 @@ class Replica:
                 done.set()
 
         sub = await self.nats.nc.subscribe(subjects.results_of_group(group), cb=on_result)
-        for i, prompt in enumerate(prompts):
-            item = WorkItem(request_id=f"{group}_{i:09d}", group=group, index=i, model=adapter or self.base,
-                            prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens), adapter=adapter)
-            await bus.publish_durable(self.nats.js, subjects.work(self.deployment),
-                                      item.model_dump_json().encode(), msg_id=item.request_id)
+        items = [WorkItem(request_id=request_id(group, i), group=group, index=i, model=adapter or self.base,
+                          prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens), adapter=adapter)
+                 for i, prompt in enumerate(prompts)]
+        await WorkPublisher(self.nats.js, retry_after_s=1).publish(None, items, self.deployment)
         await asyncio.wait_for(done.wait(), 60)
         await sub.unsubscribe()
         return [results[i] for i in range(len(prompts))]

@@ -14,6 +14,8 @@ from transformers import AutoTokenizer
 
 from loopline.common import bus, subjects
 from loopline.common.schemas import ResultItem, SamplingParams, WorkItem
+from loopline.gateway.submit import request_id
+from loopline.gateway.work import WorkPublisher
 from loopline.inference.engine import build_engine
 from loopline.inference.prompts import PromptBuilder
 from loopline.inference.worker import Worker
@@ -47,12 +49,11 @@ async def replica(tmp_path_factory):
 
 
 async def publish(js, group: str, count: int, reply_to: str | None) -> None:
-    for i in range(count):
-        item = WorkItem(request_id=f"{group}_{i:09d}", group=group, index=i, model="tiny",
-                        prompt=f"Count to {i + 2}:", sampling=SamplingParams(max_tokens=6),
-                        reply_to=reply_to)
-        await bus.publish_durable(js, subjects.work(DEPLOYMENT), item.model_dump_json().encode(),
-                                  msg_id=item.request_id)
+    """Work items as the gateway makes and publishes them (its own request ids and publisher)."""
+    items = [WorkItem(request_id=request_id(group, i), group=group, index=i, model="tiny",
+                      prompt=f"Count to {i + 2}:", sampling=SamplingParams(max_tokens=6), reply_to=reply_to)
+             for i in range(count)]
+    await WorkPublisher(js, retry_after_s=1).publish(None, items, DEPLOYMENT)
 
 
 async def test_each_answer_reaches_reply_to_once_and_matches_the_stored_result(replica):
@@ -102,7 +103,7 @@ async def test_without_reply_to_only_the_stored_result_is_published(replica):
             break
         await asyncio.sleep(0.1)
     raw = await js.get_last_msg(subjects.RESULTS_STREAM, subjects.result(group, 0))
-    assert ResultItem.model_validate_json(raw.data).request_id == f"{group}_{0:09d}"
+    assert ResultItem.model_validate_json(raw.data).request_id == request_id(group, 0)
     await asyncio.sleep(0.2)
     await sub.unsubscribe()
     assert stray == []
