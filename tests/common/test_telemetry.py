@@ -7,7 +7,7 @@ import asyncio
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from loopline.common import bus, telemetry
+from loopline.common import bus, subjects, telemetry
 
 
 async def test_trace_context_travels_in_nats_headers(nats_url):
@@ -23,9 +23,9 @@ async def test_trace_context_travels_in_nats_headers(nats_url):
     async def on_msg(msg):
         received.set_result(msg.headers)
 
-    await nc.subscribe("results.trace.0", cb=on_msg)
+    await nc.subscribe(subjects.result("trace", 0), cb=on_msg)
     with tracer.start_as_current_span("publisher") as parent:
-        await bus.publish_durable(js, "results.trace.0", b"{}", msg_id="trace-test")
+        await bus.publish_durable(js, subjects.result("trace", 0), b"{}", msg_id="trace-test")
     headers = await asyncio.wait_for(received, 5)
     assert headers["Nats-Msg-Id"] == "trace-test" and "traceparent" in headers
     with tracer.start_as_current_span("consumer", context=telemetry.context_from_headers(headers)) as child:

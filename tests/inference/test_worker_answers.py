@@ -95,7 +95,7 @@ async def test_without_reply_to_only_the_stored_result_is_published(replica):
     async def on_any(msg):
         stray.append(msg.subject)
 
-    sub = await nc.subscribe("answers.>", cb=on_any)
+    sub = await nc.subscribe(subjects.gateway_answers("*"), cb=on_any)
     served = worker.served
     await publish(js, group, 1, None)
     for _ in range(600):

@@ -147,7 +147,7 @@ async def test_status(nc, js, start_queue, eventually):
     await publish(js, subjects.work("dep"), work("s", 0))
 
     async def status() -> ServiceStatus:
-        reply = await nc.request("svc.queue.status", b"", timeout=2)
+        reply = await nc.request(subjects.SVC_QUEUE_STATUS, b"", timeout=2)
         return ServiceStatus.model_validate_json(reply.data)
 
     st = await eventually(lambda: _when(status(), lambda s: s.detail["queue_depth"] == 1))
