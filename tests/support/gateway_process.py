@@ -25,8 +25,10 @@ class Gateway:
     state_dir: Path
 
 
-def start_gateway(nats_url: str, state: Path, **env: str) -> Gateway:
-    port = launcher.free_port()
+def start_gateway(nats_url: str, state: Path, port: int | None = None, **env: str) -> Gateway:
+    """The gateway on ``port`` (a free one when None: a restart passes the old one, so clients keep
+    their URL), its state under ``state``; ``env`` adds or overrides settings."""
+    port = port or launcher.free_port()
     env = {
         "LOOPLINE_NATS_URL": nats_url,
         "LOOPLINE_STATE_DIR": str(state),
