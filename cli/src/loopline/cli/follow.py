@@ -34,15 +34,18 @@ def stats_text(event: dict[str, Any]) -> str:
 class _Display:
     """The bar and the lines printed above it; one place that turns events into output."""
 
-    def __init__(self, progress: Progress, task: TaskID):
+    def __init__(self, progress: Progress, task: TaskID, max_steps: int | None):
         self.progress, self.task = progress, task
-        self.last_loss: float | None = None  # final events need not repeat it
+        # Final events need not repeat them (the training program's "completed" carries no
+        # max_steps, its "failed" and the trainer's "cancelled" no loss): the report takes them here.
+        self.last_loss: float | None = None
+        self.max_steps = max_steps
 
     def apply(self, event: dict[str, Any]) -> None:
         kind = event.get("kind")
         update: dict[str, Any] = {}
         if event.get("max_steps"):
-            update["total"] = event["max_steps"]
+            update["total"] = self.max_steps = event["max_steps"]
         if event.get("step") is not None:
             update["completed"] = event["step"]
         if kind == "progress":
@@ -81,7 +84,7 @@ def follow(gateway: Gateway, job: str, console: Console) -> int:
     with Progress(*columns, console=console) as progress:
         task = progress.add_task(str(status.get("status", "")).lower() or "waiting", total=total,
                                  completed=status.get("step") or 0, stats="")
-        display = _Display(progress, task)
+        display = _Display(progress, task, total)
         while final is None:
             try:
                 for event in gateway.events(job_hash):
@@ -116,8 +119,8 @@ def follow(gateway: Gateway, job: str, console: Console) -> int:
                     raise CliError(f"the event stream of {short(job_hash)} keeps ending before the job does",
                                    f"check `loopline status {short(job_hash)}`", EXIT_FAILED)
                 time.sleep(min(0.5 * 2 ** failures, 8.0))
-    if final.get("loss") is None:
-        final = {**final, "loss": display.last_loss}
+    known = {"loss": display.last_loss, "max_steps": display.max_steps}
+    final = {**final, **{key: value for key, value in known.items() if final.get(key) is None}}
     return report(final, job_hash, console)
 
 
