@@ -115,6 +115,10 @@ class Gateway:
         if status == 404:
             raise CliError(f"the gateway at {self.base_url} has no route {response.request.url.path}",
                            "is --url / LOOPLINE_URL a Loopline gateway with the training routes?", EXIT_USER)
+        if status == 422 and job is not None:
+            # Loopline's gateway answers 422 to a job prefix that names more than one job.
+            raise CliError(f"cannot tell which job {job} is: {detail}",
+                           "see `loopline jobs` for the jobs there are", EXIT_USER)
         if status == 409:
             raise CliError(f"not possible in the job's current state: {detail}",
                            "see `loopline status` for where the job is", EXIT_USER)
