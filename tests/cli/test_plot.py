@@ -23,18 +23,25 @@ def _check_png(path: Path) -> None:
     assert pixels[..., :3].std() > 0.05  # not one flat colour
 
 
-def test_plot_from_the_gateway(cli, standin, tmp_path):
-    job_hash = standin.add_job({"max_steps": 30, "llm_name": "tiny-llama"})
+def test_plot_from_the_gateway(cli, gateway, trainer, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"input": "What is 2+2?", "output": "4"}\n')
+    submitted = cli("train", str(data), "--steps", "30", "--no-follow")
+    assert submitted.exit_code == 0, submitted.output
+    job_hash = submitted.stdout.strip()
+    trainer.wait(job_hash, "COMPLETED")
     out = tmp_path / "loss.png"
     result = cli("plot", job_hash[:12], "--out", str(out))
     assert result.exit_code == 0, result.output
     _check_png(out)
-    gateway = Gateway(standin.url)
+    gateway_client = Gateway(gateway.url)
     try:
-        lrs = _learning_rates(gateway, job_hash)
+        lrs = _learning_rates(gateway_client, job_hash)
     finally:
-        gateway.close()
-    assert len(lrs) == 30 and lrs[0][1] > lrs[-1][1]
+        gateway_client.close()
+    # One point per step, as the job's progress events (the training program's own) carry them.
+    progress = [e for e in trainer.events(job_hash) if e.kind == "progress"]
+    assert len(lrs) == 30 and lrs == [(e.step, e.learning_rate) for e in progress]
 
 
 def test_plot_from_file(cli, refused_url, tmp_path):
