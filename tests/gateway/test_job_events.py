@@ -79,3 +79,20 @@ def test_all_jobs_stream(http, gateway):
 def test_unknown_job_events_are_404(http):
     resp = http.get(f"/v1/megatron/train/{'e' * 64}/events")
     assert resp.status_code == 404 and resp.headers["content-type"] == "application/json"
+
+
+def test_a_restarted_job_streams_its_new_run_not_the_old_ones_end(http):
+    # Cancelled while its stand-in "loads" (no run gets far), then restarted: the job's stream
+    # follows the new run from its "queued" to its "completed"; the first run's "cancelled" is not
+    # this job's end any more.
+    job_hash = submit(http, 4, standin_start_s=0.5, standin_step_s=0.05)
+    assert http.post(f"/v1/megatron/cancel/{job_hash}").status_code == 200
+    wait_job(http, job_hash, "CANCELLED", timeout_s=30)
+    assert http.post(f"/v1/megatron/restart/{job_hash}").status_code == 200
+    with http.stream("GET", f"/v1/megatron/train/{job_hash}/events") as resp:
+        story = list(sse_messages(resp.iter_lines()))
+    kinds = [kind for kind, _ in story]
+    assert kinds[0] == "queued" and kinds[-1] == "completed" and "cancelled" not in kinds, kinds
+    assert story[-1][1]["status"] == "COMPLETED"
+    seqs = [data["seq"] for _, data in story]
+    assert seqs == sorted(seqs) and seqs[0] > 1, seqs  # the new run's own events, in order

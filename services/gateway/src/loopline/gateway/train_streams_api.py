@@ -72,10 +72,13 @@ async def _log_lines(trainer: TrainerClient, page: LogLines, next_line: int, fol
 
 @router.get("/train/{job}/events")
 async def job_events(job: str, request: Request):
-    """One job's events, from its first (queued) to its last (completed, failed or cancelled)."""
+    """One job's events, from its first (queued) to its last (completed, failed or cancelled): those
+    of its current run. A restarted job's earlier run ended with a final event of its own, which is
+    not this run's end, so the stream starts at the run's own ``queued``."""
     trainer = gateway_of(request).trainer
     info = await trainer.get(job)
-    sub = await trainer.follow_events(subjects.job_events(info.job_hash))
+    run_start = await trainer.current_run_start(info.job_hash)
+    sub = await trainer.follow_events(subjects.job_events(info.job_hash), from_seq=run_start)
     return StreamingResponse(_sse(sub, one_job=True, over=info.status.finished),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 

@@ -13,7 +13,7 @@ from typing import IO, cast
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 from pydantic import BaseModel
@@ -106,11 +106,24 @@ class TrainerClient:
                            headers={"Retry-After": "2"}) from exc
 
     # --- events -------------------------------------------------------------------------------------
-    async def follow_events(self, subject_filter: str):
-        """An ordered, ephemeral consumer on EVENTS from the first stored event: a client that comes
-        late still sees the whole history, then what happens next. Unsubscribe when done."""
+    async def follow_events(self, subject_filter: str, *, from_seq: int | None = None):
+        """An ordered, ephemeral consumer on EVENTS from the first stored event (or from stream
+        sequence ``from_seq``): a client that comes late still sees the whole history, then what
+        happens next. Unsubscribe when done."""
+        start = None if from_seq is None else ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=from_seq)
         try:
             return await self.js.subscribe(subject_filter, stream=subjects.EVENTS_STREAM,
-                                                  ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+                                           ordered_consumer=True, config=start,
+                                           deliver_policy=DeliverPolicy.ALL if start is None else None)
         except Exception as exc:  # NATS down
             raise ApiError(503, f"cannot follow job events: {exc}; retry") from exc
+
+    async def current_run_start(self, job_hash: str) -> int | None:
+        """Where the job's current run begins in EVENTS: the stream sequence of its last ``queued``
+        event (a restart writes a new one); None when there is none to find (aged out, NATS busy)."""
+        try:
+            msg = await self.js.get_last_msg(subjects.EVENTS_STREAM, subjects.job_event(job_hash, "queued"))
+        except Exception:  # noqa: BLE001 - not found, or NATS busy: follow the whole history instead
+            return None
+        return msg.seq
