@@ -29,6 +29,15 @@ def _ask(url: str, subject: str) -> bytes:
     return asyncio.run(ask())
 
 
+def test_queue_routes_without_a_queue_service_are_503_saying_so(http):
+    # These tests run no queue service: its routes say that, in the shape of every other error.
+    for method, path in (("GET", "/v1/generate/metrics"), ("POST", "/v1/generate/clear_queue")):
+        resp = http.request(method, path)
+        assert resp.status_code == 503, resp.text
+        assert "queue service is not running" in resp.json()["detail"]
+        assert resp.headers["Retry-After"] == "5"
+
+
 def test_status_over_nats_and_on_the_health_page(gateway, nats_proc, http):
     status = ServiceStatus.model_validate_json(_ask(nats_proc.info["url"], subjects.SVC_GATEWAY_STATUS))
     assert status.service == "gateway"

@@ -209,11 +209,13 @@ async def download(body: DownloadRequest, request: Request):
 
 @router.get("/metrics")
 async def metrics(request: Request):
-    data = await gateway_of(request).services.request(subjects.SVC_QUEUE_METRICS)
-    return QueueMetrics.model_validate_json(data).model_dump(by_alias=True)
+    metrics = await gateway_of(request).services.ask_queue(subjects.SVC_QUEUE_METRICS, QueueMetrics)
+    return metrics.model_dump(by_alias=True)
 
 
 @router.post("/clear_queue")
 async def clear_queue(request: Request):
-    data = await gateway_of(request).services.request(subjects.SVC_QUEUE_CLEAR, timeout_s=30)
-    return ClearQueueReply.model_validate_json(data).model_dump()
+    # A clear cancels every waiting prompt: longer than a query.
+    services = gateway_of(request).services
+    reply = await services.ask_queue(subjects.SVC_QUEUE_CLEAR, ClearQueueReply, timeout_s=30)
+    return reply.model_dump()

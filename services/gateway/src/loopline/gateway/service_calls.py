@@ -1,6 +1,7 @@
 """Calls to the platform's other services over NATS, for the routes that only pass an answer on:
-a request to one (the queue's svc.queue.metrics and .clear), and a census of every running instance
-of one (``$SRV.PING.<name>``, for /v1/health). The trainer has its own client (trainer_client.py).
+the queue's request-reply API (svc.queue.metrics and .clear, through loopline.common.service_client
+like the trainer's), and a census of every running instance of a service (``$SRV.PING.<name>``, for
+/v1/health). The trainer has its own client (trainer_client.py).
 """
 
 from __future__ import annotations
@@ -11,21 +12,24 @@ import json
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from loopline.gateway.errors import ApiError
+from loopline.common.service_client import Reply, ServiceClient, ServiceError
+from loopline.gateway.errors import from_service_error
+
+# The queue answers metrics from its last admission state and the ledger's totals.
+QUEUE_TIMEOUT_S = 5.0
 
 
 class ServiceCalls:
     def __init__(self, nc: NATS):
         self.nc = nc
+        self.queue = ServiceClient(nc, "queue service", QUEUE_TIMEOUT_S)
 
-    async def request(self, subject: str, payload: bytes = b"", timeout_s: float = 5.0) -> bytes:
-        """The answer's bytes, or a 503 when nobody answers in time."""
+    async def ask_queue(self, subject: str, reply: type[Reply], timeout_s: float | None = None) -> Reply:
+        """The queue's answer as ``reply``: 503 when no queue service runs, 504 when it is too slow."""
         try:
-            msg = await self.nc.request(subject, payload, timeout=timeout_s)
-        except Exception as exc:  # no responders, timeout, NATS down
-            raise ApiError(503, f"{subject} did not answer ({type(exc).__name__}); "
-                                "is the service running?") from exc
-        return msg.data
+            return await self.queue.call(subject, None, reply, timeout_s)
+        except ServiceError as exc:
+            raise from_service_error(exc) from exc
 
     async def ping(self, service: str, wait_s: float = 0.25) -> list[dict]:
         """Every running instance of a nats.micro service, from ``$SRV.PING.<name>``."""

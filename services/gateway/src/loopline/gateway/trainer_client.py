@@ -30,7 +30,7 @@ from loopline.common.job_schemas import (
     SqueueReply,
 )
 from loopline.common.service_client import Reply, ServiceClient, ServiceError
-from loopline.gateway.errors import ApiError
+from loopline.gateway.errors import ApiError, from_service_error
 
 # A submit has the trainer read the dataset back and call sbatch: give it longer than a query.
 SUBMIT_TIMEOUT_FACTOR = 4
@@ -50,8 +50,7 @@ class TrainerClient:
         try:
             return await self.service.call(subject, body, reply, timeout_s)
         except ServiceError as exc:
-            retry = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
-            raise ApiError(exc.status, exc.message, headers=retry) from exc
+            raise from_service_error(exc) from exc
 
     async def get(self, job: str, timeout_s: float | None = None) -> JobInfo:
         return await self.call(subjects.SVC_TRAINER_GET, JobRef(job=job), JobInfo, timeout_s)
