@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install slurm up lint typecheck test bench tiny-model clean
+.PHONY: install slurm up lint typecheck test bench tiny-model clean docs
 
 install:
 	@scripts/install.sh
@@ -38,6 +38,5 @@ clean:
 
 # The README's configuration table, from the settings classes' field descriptions
 # (tests/common/test_readme.py fails when it is out of date).
-.PHONY: docs
 docs:
 	@$(PY) -m loopline.common.settings_doc --write
