@@ -8,7 +8,6 @@ directory, the ``datasets`` object store and the trainer's own svc.trainer.* ans
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -17,12 +16,12 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 import pytest
-from nats.js.api import ObjectInfo
 from typer.testing import CliRunner
 
 from loopline.cli.main import app as cli_app
-from loopline.common import bus, launcher, subjects
+from loopline.common import launcher, subjects
 from loopline.common.job_schemas import JobEvent, JobInfo, LogLines, LogsRequest
+from support.bus_view import BusView
 from support.gateway_process import BASE_MODEL, start_gateway
 from support.nats import nats_server
 from support.trainer import TrainerClient
@@ -53,22 +52,16 @@ class GatewayProcess:
         launcher.stop(self.current.proc)
 
 
-class TrainerView:
-    """The test's own look at the trainer and the object store over NATS, for synchronous tests:
-    one short connection per question, requests through support/trainer.py's TrainerClient."""
+class TrainerView(BusView):
+    """The test's look at the trainer over NATS (support/bus_view.py), through support/trainer.py's
+    TrainerClient, and at its job directories."""
 
     def __init__(self, nats_url: str, proc: TrainerProcess) -> None:
-        self.nats_url, self.proc = nats_url, proc
+        super().__init__(nats_url, "cli-test")
+        self.proc = proc
 
     def _ask(self, ask: Callable[[TrainerClient], Awaitable[T]]) -> T:
-        async def go() -> T:
-            nc = await bus.connect(self.nats_url, "cli-test")
-            try:
-                return await ask(TrainerClient(nc))
-            finally:
-                await nc.close()
-
-        return asyncio.run(go())
+        return self.ask(lambda nc: ask(TrainerClient(nc)))
 
     def job_dir(self, job_hash: str) -> Path:
         return self.proc.job_dir(job_hash)
@@ -94,23 +87,7 @@ class TrainerView:
         return self._ask(lambda trainer: trainer.events(job_hash))
 
     def logs(self, ref: str) -> LogLines:
-        return self._ask(lambda trainer: trainer.service.call(
-            subjects.SVC_TRAINER_LOGS, LogsRequest(job=ref), LogLines))
-
-    def dataset_info(self, name: str) -> ObjectInfo:
-        """The ``datasets`` object's info (its nuid changes when it is written again)."""
-        async def info(trainer: TrainerClient) -> ObjectInfo:
-            return await (await trainer.js.object_store(subjects.DATASETS_BUCKET)).get_info(name)
-
-        return self._ask(info)
-
-    def dataset(self, name: str) -> bytes:
-        async def get(trainer: TrainerClient) -> bytes:
-            data = (await (await trainer.js.object_store(subjects.DATASETS_BUCKET)).get(name)).data
-            assert data is not None
-            return data
-
-        return self._ask(get)
+        return self.ask_trainer(subjects.SVC_TRAINER_LOGS, LogsRequest(job=ref), LogLines)
 
 
 @pytest.fixture(scope="module")
