@@ -234,6 +234,14 @@ class Runtime:
         return self.exit_code
 
 
+async def pause(stopping: asyncio.Event, seconds: float) -> bool:
+    """A loop's wait between passes: ``seconds``, cut short when ``stopping`` is set. True when the
+    loop should end."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stopping.wait(), timeout=seconds)
+    return stopping.is_set()
+
+
 async def _named(awaitable: Awaitable[None]) -> None:
     await awaitable
 

@@ -22,6 +22,7 @@ from watchfiles import Change, awatch
 
 from loopline.common.job_hash import is_job_hash
 from loopline.common.job_layout import CHECKPOINTS_DIR, checkpoint_step
+from loopline.common.runtime import pause
 
 log = logging.getLogger(__name__)
 # watchfiles logs every batch of changes at INFO; we log what we do with them instead.
@@ -76,7 +77,4 @@ async def watch_jobs(jobs_dir: Path, changed: Callable[[str | None], None], stop
                         root, type(exc).__name__, exc, RETRY_S)
         if not stop.is_set():
             changed(None)
-            try:
-                await asyncio.wait_for(stop.wait(), RETRY_S)
-            except TimeoutError:
-                pass
+            await pause(stop, RETRY_S)

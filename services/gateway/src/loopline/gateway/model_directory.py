@@ -18,6 +18,7 @@ from nats.js.kv import KeyValue
 
 from loopline.common import subjects
 from loopline.common.job_hash import is_job_hash
+from loopline.common.runtime import pause
 from loopline.common.schemas import DeploymentInfo
 from loopline.gateway.adapters import AdapterRegistry, ServedAdapter
 from loopline.gateway.errors import ApiError
@@ -97,12 +98,7 @@ class ModelDirectory:
         """The ``models`` loop: re-read the bucket every MODELS_REFRESH_S until told to stop."""
         # Invariant: ``served`` is never older than MODELS_REFRESH_S plus one read, unless NATS
         # fails us; then it holds the last models we knew, rather than none.
-        while True:
-            try:
-                await asyncio.wait_for(stopping.wait(), timeout=MODELS_REFRESH_S)
-                return
-            except TimeoutError:
-                pass
+        while not await pause(stopping, MODELS_REFRESH_S):
             try:
                 await self.refresh()
             except Exception as exc:  # noqa: BLE001 - NATS down: keep the last known registry

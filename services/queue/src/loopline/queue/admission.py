@@ -15,6 +15,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from loopline.common import subjects
+from loopline.common.runtime import pause
 from loopline.common.schemas import DeploymentLoad, QueueState
 from loopline.queue.deployments import DeploymentDirectory
 
@@ -49,10 +50,7 @@ class Admission:
                 await self._nc.publish(subjects.QUEUE_STATE, state.model_dump_json().encode())
             except Exception as exc:  # noqa: BLE001 - NATS may be reconnecting; next tick retries
                 log.warning("measuring queue depth failed: %s", exc)
-            try:
-                await asyncio.wait_for(stopping.wait(), timeout=self._interval_s)
-            except TimeoutError:
-                pass
+            await pause(stopping, self._interval_s)
 
     async def measure(self) -> QueueState:
         deployments = sorted(self._directory.keys())

@@ -20,6 +20,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, IntegrityError
 
 from loopline.common import subjects
+from loopline.common.runtime import pause
 from loopline.common.schemas import ResultItem, WorkItem
 from loopline.queue import ledger
 
@@ -76,7 +77,7 @@ async def run_feed(
                 continue
             except Exception as exc:  # noqa: BLE001 - reconnects surface here; keep pulling
                 log.warning("ledger %s: fetch failed: %s", feed.name, exc)
-                await _sleep_unless(stopping, RETRY_DELAY_S)
+                await pause(stopping, RETRY_DELAY_S)
                 continue
 
             items: list[BaseModel] = []
@@ -98,7 +99,7 @@ async def run_feed(
                 )
                 for msg in good:
                     await msg.nak(delay=RETRY_DELAY_S)
-                await _sleep_unless(stopping, RETRY_DELAY_S)
+                await pause(stopping, RETRY_DELAY_S)
                 continue
 
             refused_ids = {id(msg) for msg in refused}
@@ -110,7 +111,7 @@ async def run_feed(
             if len(msgs) < batch:
                 # Caught up: let the next rows gather instead of writing them a few at a time while
                 # a burst is still arriving; bigger transactions cost the shared CPU less per row.
-                await _sleep_unless(stopping, linger_s)
+                await pause(stopping, linger_s)
     finally:
         await sub.unsubscribe()
 
@@ -135,10 +136,3 @@ async def _write(feed: Feed, engine: Engine, items: list, msgs: list[Msg]) -> li
     for item, msg in zip(items, msgs, strict=True):
         refused += await _write(feed, engine, [item], [msg])
     return refused
-
-
-async def _sleep_unless(stopping: asyncio.Event, seconds: float) -> None:
-    try:
-        await asyncio.wait_for(stopping.wait(), timeout=seconds)
-    except TimeoutError:
-        pass

@@ -17,13 +17,13 @@ The row is only marked finished after the run ended and its last lines were publ
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Any
 
 from loopline.common import bus
 from loopline.common.job_schemas import JobStatus
+from loopline.common.runtime import pause
 from loopline.trainer import jobdir
 from loopline.trainer.control import JobControl
 from loopline.trainer.launchers import LauncherError, LaunchState
@@ -59,8 +59,7 @@ async def reconcile_loop(control: JobControl, stopping: asyncio.Event, interval_
                     log.exception("job %s: reconcile failed", job.job_hash)
         except Exception:  # the database or a launcher is down: try again next time
             log.exception("reconcile pass failed")
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stopping.wait(), timeout=interval_s)
+        await pause(stopping, interval_s)
 
 
 async def run_states(control: JobControl, jobs: list[Job]) -> RunStates:
