@@ -124,15 +124,15 @@ def pack(dataset: Path, out: BinaryIO, ml_dir: Path | None = None) -> None:
     # gzip's header holds a name and an mtime: both fixed here, which tarfile's "w:gz" cannot do.
     with (gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0, compresslevel=6) as gz,
           tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar):
-            data = dataset.read_bytes()
-            tar.addfile(_tarinfo(DATASET_NAME, size=len(data)), io.BytesIO(data))
-            for name, src in _ml_entries(ml_dir) if ml_dir is not None else []:
-                if src.is_dir():
-                    tar.addfile(_tarinfo(name, directory=True))
-                else:
-                    with src.open("rb") as fh:
-                        tar.addfile(_tarinfo(name, size=src.stat().st_size,
-                                             executable=bool(src.stat().st_mode & 0o111)), fh)
+        data = dataset.read_bytes()
+        tar.addfile(_tarinfo(DATASET_NAME, size=len(data)), io.BytesIO(data))
+        for name, src in _ml_entries(ml_dir) if ml_dir is not None else []:
+            if src.is_dir():
+                tar.addfile(_tarinfo(name, directory=True))
+            else:
+                with src.open("rb") as fh:
+                    tar.addfile(_tarinfo(name, size=src.stat().st_size,
+                                         executable=bool(src.stat().st_mode & 0o111)), fh)
 
 
 def pack_bytes(dataset: Path, ml_dir: Path | None = None) -> bytes:

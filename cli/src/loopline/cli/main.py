@@ -120,14 +120,14 @@ def build_params(params: list[str], **named: Any) -> dict[str, Any]:
 def train(ctx: typer.Context,
           data: Path = typer.Argument(..., help="JSONL file: one {\"input\", \"output\"} object per line"),
           model: str | None = typer.Option(None, "--model", "-m",
-                                              help="base model; default: the served one"),
+                                           help="base model; default: the served one"),
           adapter: Adapter | None = typer.Option(None, "--adapter", help="adapter to train"),
           steps: int | None = typer.Option(None, "--steps", min=1, help="max_steps"),
           lr: float | None = typer.Option(None, "--lr", min=0.0, help="learning_rate"),
           param: list[str] = typer.Option([], "--param", "-p",
                                           help="any train arg as key=value (repeatable)"),
           ml_dir: Path | None = typer.Option(None, "--ml-dir", exists=True, file_okay=False,
-                                                help="training code to ship as the job's ml/"),
+                                             help="training code to ship as the job's ml/"),
           follow: bool = typer.Option(True, "--follow/--no-follow", help="follow the job until it ends")):
     """Validate DATA, upload it and start a training job; prints the job hash."""
     params = build_params(param, llm_name=model, adapter_type=adapter.value if adapter else None,
@@ -306,7 +306,7 @@ def plot(ctx: typer.Context,
          job: str | None = typer.Argument(None, help="job hash, a prefix of it, or latest"),
          out_path: Path = typer.Option(Path("loss.png"), "--out", "-o", help="image file (.png, .svg, .pdf)"),
          from_file: Path | None = typer.Option(None, "--from-file",
-                                                  help="a job directory or its status.json: plot offline"),
+                                               help="a job directory or its status.json: plot offline"),
          with_lr: bool = typer.Option(True, "--lr/--no-lr", help="learning rate from the job's events")):
     """Plot loss against step (and the learning rate) to an image."""
     lrs: list = []

@@ -59,7 +59,7 @@ class CommonSettings(BaseSettings):
 
 class GatewaySettings(CommonSettings):
     model: str = Field(default=DEFAULT_MODEL, description=(
-        "the served model a request that names none goes to, and a training job's `llm_name` when "
+        "The served model a request that names none goes to, and a training job's `llm_name` when "
         "its params name none"))
     host: str = Field(default="127.0.0.1", description="Where the gateway listens.")
     port: int = Field(default=8000, description="The gateway's HTTP port.")

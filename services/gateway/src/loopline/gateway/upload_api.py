@@ -22,7 +22,6 @@ from loopline.gateway.upload_chunks import ChunkStaging, UnknownUpload, UploadPl
 router = APIRouter(prefix="/v1/megatron/upload")
 
 
-
 class InitRequest(BaseModel):
     total_size: int = Field(gt=0)
     total_hash: Sha256Hex
