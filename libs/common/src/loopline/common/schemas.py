@@ -6,42 +6,46 @@ types (dataclasses) or SQL rows at its edge; nothing here knows about HTTP or SQ
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
-class SamplingParams(BaseModel):
-    max_tokens: int = Field(ge=1)
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stop: list[str] = Field(default_factory=list)
-    seed: int | None = None
-    n: int = Field(default=1, ge=1)
+# The HTTP routes of vLLM's OpenAI-compatible server that travel through the queue: a work item
+# names one, and the replica hands its body to vLLM's own serving layer for that route.
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+POOLING_ROUTES = ("/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank",
+                  "/v1/rerank", "/v2/rerank")
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize")
+QUEUED_ROUTES = GENERATION_ROUTES + POOLING_ROUTES + TOKENIZER_ROUTES
 
 
 class WorkItem(BaseModel):
-    """One prompt to generate for; one JetStream message on ``work.generate.<deployment>``."""
+    """One client request to serve; one JetStream message on ``work.generate.<deployment>``.
+
+    ``body`` is the client's JSON text as it came (vLLM's request schema, validated by vLLM in the
+    replica): text, not a parsed object, so what vLLM sees is byte for byte what the client sent,
+    escapes such as a lone ``\\ud800`` included.
+    """
 
     request_id: str
     group: str
     index: int
+    # The name the client asked for (a model, a job hash or ``latest``).
     model: str
-    # Exactly one of prompt / messages is set; inference applies the chat template to messages.
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    sampling: SamplingParams
-    # A job hash: generate with that job's newest adapter on the deployment's base model. The
-    # gateway resolves ``model`` (a job hash or ``latest``) to it; ``model`` keeps the name asked for.
+    route: str
+    body: str
+    # A job hash: serve with that job's newest adapter on the deployment's base model, pinned for
+    # the whole request. The gateway resolves ``model`` (a job hash or ``latest``) to it.
     adapter: str | None = None
-    # When set, inference also publishes token deltas on ``stream.<request_id>`` (core NATS).
-    stream: bool = False
-    # When set, inference also publishes the result there (core NATS, subjects.answer), so the
-    # gateway waiting on the connection hears without a subscription per request.
+    # When set, the result is also published there at once (core NATS, subjects.answer), so the
+    # gateway waiting on the connection hears without a subscription per request; a streamed
+    # response's events go to ``stream.<request_id>`` as they are made (stream_event below).
     reply_to: str | None = None
+    stream: bool = False
     submitted_at: float = Field(default_factory=time.time)
-    # The batch this prompt belongs to, as the gateway accepted it: what the ledger records for the
+    # The batch this request belongs to, as the gateway accepted it: what the ledger records for the
     # group without a lookup per group. None (a hand-made item) leaves the ledger to infer them.
     kind: Literal["generate", "upload", "openai"] | None = None
     batch_total: int | None = None
@@ -53,24 +57,32 @@ class ErrorInfo(BaseModel):
     status: int
     message: str
     type: str = "invalid_request_error"
+    param: str | None = None
 
-
-class Choice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str | None = None
-    completion_tokens: int = 0
+    def openai_body(self) -> str:
+        """OpenAI's error shape, as vLLM's server writes it."""
+        return json.dumps({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                     "code": self.status}}, ensure_ascii=False)
 
 
 class ResultItem(BaseModel):
-    """The outcome of one WorkItem; one JetStream message on ``results.<group>.<index>``."""
+    """The outcome of one WorkItem; one JetStream message on ``results.<group>.<index>``.
+
+    ``status`` and ``body`` are the HTTP answer as vLLM's server would give it (for a streamed
+    answer, ``body`` is the whole ``text/event-stream`` transcript: the stored record a gateway
+    relays from when it missed events). ``error`` repeats a failure's message for readers that do
+    not parse bodies (the ledger, ScalarLM's results).
+    """
 
     request_id: str
     group: str
     index: int
     model: str
-    choices: list[Choice] = Field(default_factory=list)
+    status: int = 200
+    body: str = ""
+    media_type: str = "application/json"
     prompt_tokens: int = 0
+    completion_tokens: int = 0
     error: ErrorInfo | None = None
     replica: str = ""
     # The adapter version (checkpoint step) the request was pinned to for its whole generation;
@@ -80,26 +92,30 @@ class ResultItem(BaseModel):
     finished_at: float = Field(default_factory=time.time)
 
     @property
-    def completion_tokens(self) -> int:
-        return sum(c.completion_tokens for c in self.choices)
+    def streamed(self) -> bool:
+        return self.media_type.startswith("text/event-stream")
+
+    def events(self) -> list[str]:
+        """A streamed answer's events (each ``data: ...\\n\\n``), in order."""
+        return [e + "\n\n" for e in self.body.split("\n\n") if e]
 
     @classmethod
     def failure(cls, item: WorkItem, error: ErrorInfo, replica: str = "") -> ResultItem:
         """The answer for a work item that could not be served: the client sees ``error``."""
         return cls(request_id=item.request_id, group=item.group, index=item.index, model=item.model,
-                   error=error, replica=replica)
+                   status=error.status, body=error.openai_body(), error=error, replica=replica)
 
 
-class TokenDelta(BaseModel):
-    """A streamed piece of text. ``tokens`` is the choice's token count so far, so a consumer can
-    drop deltas it already forwarded when a redelivered request is generated a second time."""
+def stream_event(seq: int, event: bytes) -> bytes:
+    """One event of a streamed answer as published on ``stream.<request_id>``: its position, a
+    newline, the event's bytes. Positions let a gateway skip what it already relayed when a
+    redelivered request is served again from the start."""
+    return b"%d\n%s" % (seq, event)
 
-    request_id: str
-    choice: int = 0
-    text: str
-    tokens: int
-    # As in ResultItem: a stream's chunks name the version that produced them before the result.
-    adapter_step: int | None = None
+
+def parse_stream_event(data: bytes) -> tuple[int, bytes]:
+    seq, _, event = data.partition(b"\n")
+    return int(seq), event
 
 
 class DeploymentInfo(BaseModel):
@@ -109,6 +125,8 @@ class DeploymentInfo(BaseModel):
     deployment: str
     max_model_len: int
     engine: str
+    # What vLLM serves this model for (its supported tasks: "generate", "embed", ...).
+    tasks: list[str] = Field(default_factory=lambda: ["generate"])
     created_at: float = Field(default_factory=time.time)
 
 

@@ -44,6 +44,11 @@ class CommonSettings(BaseSettings):
         "Send traces to this OTLP/HTTP collector; unset, trace ids still travel in NATS headers "
         "but no spans are recorded."))
     log_level: str = Field(default="INFO", description="Python logging level.")
+    metrics_port: int = Field(default=0, description=(
+        "Where this process serves its Prometheus metrics, `http://<host>:<port>/metrics` on every "
+        "interface: 0 picks a free port (the URL is logged, and is `metrics_url` in the service's "
+        "status and `metrics` in its `/v1/health` entry), a negative value turns it off. Set it per "
+        "service: processes on one host cannot share a port."))
     replica_id: str | None = Field(default=None, json_schema_extra=unset_means("`<host>-<pid>`"),
                                    description="Names this process among the replicas of its service.")
     models_path: Path | None = Field(
@@ -126,8 +131,10 @@ class InferenceSettings(CommonSettings):
         "the model this replica serves: a Hugging Face id or a local folder"))
     served_model_name: str | None = Field(default=None, json_schema_extra=unset_means("`$LOOPLINE_MODEL`"),
                                           description="The name clients use for the served model.")
-    engine: str = Field(default="auto", pattern="^(auto|vllm|reference)$", description=(
-        "`vllm`, `reference` (transformers) or `auto` (vLLM where it imports)."))
+    vllm_args: str = Field(default="", description=(
+        "Further `vllm serve` flags for this deployment, applied last (e.g. `--tool-call-parser "
+        "hermes --enable-auto-tool-choice`, `--runner pooling`): the replica runs vLLM's own "
+        "OpenAI server in-process with exactly the flags `vllm serve` would get."))
     max_model_len: int | None = Field(default=None, json_schema_extra=unset_means("the model's"),
                                       description="The context length.")
     max_inflight: int = Field(default=64, description=(

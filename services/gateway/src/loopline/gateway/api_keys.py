@@ -10,6 +10,8 @@ from __future__ import annotations
 import hmac
 import json
 
+from loopline.gateway.errors import is_openai_path
+
 # Probed by container health checks, which carry no key.
 OPEN_PATHS = ("/v1/health/keepalive",)
 
@@ -32,7 +34,7 @@ class ApiKeys:
 
     async def _refuse(self, scope, send, why: str):
         message = f"{why}: send 'Authorization: Bearer <key>' with one of this gateway's API keys"
-        openai = scope["path"] in ("/v1/completions", "/v1/chat/completions", "/v1/models")
+        openai = is_openai_path(scope["path"])
         body = {"error": {"message": message, "type": "invalid_api_key", "param": None, "code": 401}} \
             if openai else {"detail": message}
         payload = json.dumps(body).encode()

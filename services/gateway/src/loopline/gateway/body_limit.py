@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from loopline.gateway.errors import is_openai_path
+
 # Training archives and their chunks are uploads too (the chunk route applies its own, smaller cap).
 UPLOAD_PATHS = ("/v1/generate/upload", "/v1/megatron/train", "/v1/megatron/upload/chunk")
 
@@ -52,7 +54,7 @@ class BodyLimit:
 
     async def _refuse(self, scope, send, limit: int):
         message = f"the request body is larger than the limit of {limit} bytes"
-        openai = scope["path"] in ("/v1/completions", "/v1/chat/completions")
+        openai = is_openai_path(scope["path"])
         body = {"error": {"message": message, "type": "request_too_large", "param": None, "code": 413}} \
             if openai else {"detail": message}
         payload = json.dumps(body).encode()

@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loopline.common.schemas import QUEUED_ROUTES
 from loopline.common.service_client import ServiceError
 
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
@@ -40,7 +41,8 @@ def from_service_error(exc: ServiceError) -> ApiError:
 
 
 def is_openai_path(path: str) -> bool:
-    return path in ("/v1/completions", "/v1/chat/completions", "/v1/models") or path.startswith("/v1/models/")
+    """Routes whose clients read OpenAI's error shape: vLLM's relayed routes and /v1/models."""
+    return path in QUEUED_ROUTES or path == "/v1/models" or path.startswith("/v1/models/")
 
 
 def error_response(request: Request, status: int, message: str, *, param: str | None = None,

@@ -20,7 +20,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from loopline.common import subjects
-from loopline.common.schemas import ResultItem, TokenDelta
+from loopline.common.schemas import ResultItem, parse_stream_event
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,13 @@ class Results:
         await waiter.open()
         return waiter
 
-    async def follow_tokens(self, request_id: str, on_delta: Callable[[TokenDelta], None]) -> Subscription:
-        """Hand each token delta of a streaming request to ``on_delta``; unsubscribe when done.
-        Deltas are core messages, lost in a reconnect: the request's result is the authority."""
+    async def follow_stream(self, request_id: str,
+                            on_event: Callable[[tuple[int, bytes]], None]) -> Subscription:
+        """Hand each event of a streamed answer to ``on_event`` as ``(position, bytes)``;
+        unsubscribe when done. Events are core messages, lost in a reconnect: the request's result
+        holds the whole transcript and is the authority."""
         async def on_msg(msg: Msg) -> None:
-            on_delta(TokenDelta.model_validate_json(msg.data))
+            on_event(parse_stream_event(msg.data))
 
         return await self.nc.subscribe(subjects.token_stream(request_id), cb=on_msg)
 

@@ -21,8 +21,6 @@ from loopline.common.schemas import (
     ClearQueueReply,
     QueueMetrics,
     ResultItem,
-    SamplingParams,
-    WorkItem,
 )
 from loopline.gateway.errors import ApiError
 from loopline.gateway.gateway import Gateway, gateway_of
@@ -33,6 +31,7 @@ from loopline.gateway.submit import (
     request_id,
     split_request_id,
     submit_prompts,
+    work_item,
 )
 
 router = APIRouter(prefix="/v1/generate")
@@ -71,13 +70,22 @@ def result_entry(rid: str, result: ResultItem | None) -> dict:
         return {"request_id": rid, "response": None, "error": None}
     if result.error is not None:
         return {"request_id": rid, "response": None, "error": result.error.message}
-    entry = {"request_id": rid, "response": result.choices[0].text if result.choices else "",
-             "error": None, "token_count": result.completion_tokens}
+    entry = {"request_id": rid, "response": generated_text(result), "error": None,
+             "token_count": result.completion_tokens}
     if result.adapter_step is not None:
         # Which checkpoint answered. The scalarlm client reads only request_id/response/error,
         # by key, so an extra key (like token_count) passes through it untouched.
         entry["adapter_step"] = result.adapter_step
     return entry
+
+
+def generated_text(result: ResultItem) -> str:
+    """The text of vLLM's completion or chat completion answer (Prompt.as_request asked for one)."""
+    choices = json.loads(result.body).get("choices") or [{}]
+    first = choices[0]
+    if "message" in first:
+        return first["message"].get("content") or ""
+    return first.get("text") or ""
 
 
 async def collect(gateway: Gateway, ids: list[str], timeout_s: float, *, stored_first: bool) -> list[dict]:
@@ -112,7 +120,6 @@ async def generate(body: GenerateRequest, request: Request):
     prompts = [parse_prompt(p, f"prompts[{i}]") for i, p in enumerate(body.prompts)]
     route = await gateway.models.resolve(body.model)
     max_tokens = body.max_tokens or settings.default_max_tokens
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=body.temperature)
     key = {"prompts": body.prompts, "model": route.model, "max_tokens": max_tokens,
            "temperature": body.temperature}
     if route.adapter is not None:
@@ -122,8 +129,8 @@ async def generate(body: GenerateRequest, request: Request):
     # Listen before publishing, so a fast answer cannot slip past between the two.
     waiter = await gateway.results.waiter(group)
     try:
-        ids, known = await submit_prompts(gateway, route, group, prompts, sampling, kind="generate",
-                                          skip_if_known=True)
+        ids, known = await submit_prompts(gateway, route, group, prompts, max_tokens, body.temperature,
+                                          kind="generate", skip_if_known=True)
         found = await waiter.wait(list(range(len(ids))), settings.response_timeout_s, stored_first=known)
     finally:
         await waiter.close()
@@ -175,10 +182,8 @@ async def upload(file: UploadFile, request: Request):
         gateway.admission.admit(route.deployment, len(members))
     manifest = BatchManifest(group=group, total=len(entries), model=plans[0][0].model, kind="upload")
     for n, (route, max_tokens, members) in enumerate(plans):
-        items = [WorkItem(request_id=request_id(group, i), group=group, index=i, model=route.model,
-                          prompt=p.text, messages=p.messages, adapter=route.adapter,
-                          sampling=SamplingParams(max_tokens=max_tokens), kind="upload",
-                          batch_total=len(entries))
+        items = [work_item(route, request_id(group, i), group, i, p, max_tokens, 0.0, kind="upload",
+                           total=len(entries))
                  for i, p in members]
         # The manifest goes last: a batch is "known" only once all its work is durable.
         await gateway.work.publish(manifest if n == len(plans) - 1 else None, items, route.deployment)

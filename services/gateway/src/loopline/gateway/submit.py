@@ -1,4 +1,4 @@
-"""Turning accepted prompts into work items, shared by the OpenAI and ScalarLM routes."""
+"""Request ids and groups, and turning ScalarLM prompts into work items (vLLM requests)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from loopline.common.schemas import BatchManifest, SamplingParams, WorkItem
+from loopline.common.schemas import BatchManifest, WorkItem
 from loopline.gateway.errors import ApiError
 from loopline.gateway.gateway import Gateway
 from loopline.gateway.model_directory import Route
@@ -16,10 +16,18 @@ from loopline.gateway.model_directory import Route
 
 @dataclass
 class Prompt:
-    """One prompt as the gateway understands it: plain text or chat messages."""
+    """One ScalarLM prompt as the gateway understands it: plain text or chat messages."""
 
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
+
+    def as_request(self, model: str, max_tokens: int, temperature: float) -> tuple[str, str]:
+        """The vLLM route and JSON body that generate for this prompt: a completion for text, a
+        chat completion for messages (the chat template is vLLM's)."""
+        params = {"model": model, "max_tokens": max_tokens, "temperature": temperature}
+        if self.messages is not None:
+            return "/v1/chat/completions", json.dumps({**params, "messages": self.messages})
+        return "/v1/completions", json.dumps({**params, "prompt": self.text})
 
 
 def request_id(group: str, index: int) -> str:
@@ -55,25 +63,27 @@ def check_max_tokens(route: Route, max_tokens: int) -> None:
 
 
 async def submit_prompts(gateway: Gateway, route: Route, group: str, prompts: list[Prompt],
-                         sampling: SamplingParams, *, kind: str, stream: bool = False,
-                         skip_if_known: bool = False, reply_to: str | None = None) -> tuple[list[str], bool]:
+                         max_tokens: int, temperature: float, *, kind: str,
+                         skip_if_known: bool = False) -> tuple[list[str], bool]:
     """Publish one work item per prompt. Returns their request ids in prompt order, and whether
-    the batch had been accepted before (then nothing is published: its work is queued or done).
-    ``reply_to``: where the replica also sends each result at once (Answers.expect)."""
-    check_max_tokens(route, sampling.max_tokens)
+    the batch had been accepted before (then nothing is published: its work is queued or done)."""
+    check_max_tokens(route, max_tokens)
     ids = [request_id(group, i) for i in range(len(prompts))]
     if skip_if_known and await gateway.work.manifest(group) is not None:
         return ids, True
     gateway.admission.admit(route.deployment, len(prompts))
-    items = [
-        WorkItem(request_id=rid, group=group, index=i, model=route.model, prompt=p.text,
-                 messages=p.messages, sampling=sampling, stream=stream, adapter=route.adapter,
-                 kind=kind, batch_total=len(prompts), reply_to=reply_to)
-        for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
-    ]
-    # OpenAI requests are answered on the connection that made them, so they need no manifest;
-    # ScalarLM batches are polled for later, possibly through another gateway.
-    manifest = None if kind == "openai" else BatchManifest(
-        group=group, total=len(prompts), model=route.model, kind=kind)
+    items = [work_item(route, rid, group, i, p, max_tokens, temperature, kind=kind, total=len(prompts))
+             for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))]
+    # ScalarLM batches are polled for later, possibly through another gateway: a manifest says the
+    # batch is known.
+    manifest = BatchManifest(group=group, total=len(prompts), model=route.model, kind=kind)
     await gateway.work.publish(manifest, items, route.deployment)
     return ids, False
+
+
+def work_item(route: Route, rid: str, group: str, index: int, prompt: Prompt, max_tokens: int,
+              temperature: float, *, kind: str, total: int) -> WorkItem:
+    # An adapter request names the job: the replica swaps in the version it pins.
+    path, body = prompt.as_request(route.adapter or route.info.model, max_tokens, temperature)
+    return WorkItem(request_id=rid, group=group, index=index, model=route.model, route=path, body=body,
+                    adapter=route.adapter, kind=kind, batch_total=total)

@@ -35,7 +35,7 @@ from loopline.common import bus, subjects
 from loopline.common.job_hash import is_job_hash
 from loopline.common.job_schemas import AdapterEvent, CheckpointAnnounce
 from loopline.inference.adapter_files import BadArchive, download, unpack
-from loopline.inference.engine import AdapterRejected, Engine
+from loopline.inference.vllm_server import AdapterRejected, VllmServer
 from loopline.ml.adapters import read_adapter_config
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class _Refused(Exception):
 
 
 class AdapterManager:
-    def __init__(self, js: JetStreamContext, engine: Engine, *, base_model: str, replica: str,
+    def __init__(self, js: JetStreamContext, engine: VllmServer, *, base_model: str, replica: str,
                  root: Path, max_jobs: int):
         self.js, self.engine = js, engine
         self.base_model, self.replica = base_model, replica

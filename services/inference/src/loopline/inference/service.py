@@ -1,8 +1,9 @@
-"""One inference replica: load the engine, announce the deployment, run the worker until told to stop.
+"""One inference replica: start vLLM's own OpenAI server in-process, announce the deployment, run the
+worker until told to stop.
 
 Loops, under the shared runtime (loopline.common.runtime):
-  worker         WORK (this deployment's consumer) -> engine -> RESULTS, then ack  (worker.py)
-  adapter-loads  announced checkpoints -> new adapter versions in the engine       (adapters.py)
+  worker         WORK (this deployment's consumer) -> vLLM's app -> RESULTS, then ack (worker.py)
+  adapter-loads  announced checkpoints -> new adapter versions in vLLM           (adapters.py)
 A replica whose worker died serves nothing while it still looks alive, and one whose loader died
 serves old versions forever: either ends the process (exit 1, the runtime's policy) and its
 supervisor starts a new one; the requests it held are redelivered.
@@ -21,8 +22,8 @@ from loopline.common.runtime import Runtime
 from loopline.common.schemas import DeploymentInfo
 from loopline.common.settings import InferenceSettings
 from loopline.inference.adapters import AdapterManager
-from loopline.inference.engine import build_engine
-from loopline.inference.prompts import PromptBuilder
+from loopline.inference.vllm_args import serve_flags
+from loopline.inference.vllm_server import VllmServer
 from loopline.inference.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -38,20 +39,22 @@ def prepare_model_folder(settings: InferenceSettings) -> str:
     return str(resolve_model(settings.model, settings.models_dir))
 
 
-async def run(rt: Runtime, settings: InferenceSettings) -> None:
-    # 1. Load the model and its tokenizer (a signal meanwhile cancels the loading: the runtime).
-    model_path = await asyncio.to_thread(prepare_model_folder, settings)
-    engine = build_engine(settings.engine, model_path, max_model_len=settings.max_model_len,
-                          max_inflight=settings.max_inflight, dtype=settings.dtype,
-                          adapters=settings.adapters, max_adapters=settings.max_adapters,
-                          max_adapter_rank=settings.max_adapter_rank)
-    rt.on_stop(engine.stop)
-    log.info("loading %s from %s", settings.name, model_path)
-    await engine.start()
-    from transformers import AutoTokenizer
+def flags_of(settings: InferenceSettings, model_path: str) -> list[str]:
+    """The ``vllm serve`` flags of this deployment (vllm_args.py)."""
+    return serve_flags(model_path, served_name=settings.name, max_inflight=settings.max_inflight,
+                       dtype=settings.dtype, max_model_len=settings.max_model_len,
+                       adapters=settings.adapters, max_adapters=settings.max_adapters,
+                       max_adapter_rank=settings.max_adapter_rank, extra=settings.vllm_args)
 
-    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_path)
-    prompts = PromptBuilder(tokenizer, engine.info.max_model_len)
+
+async def run(rt: Runtime, settings: InferenceSettings) -> None:
+    # 1. Start vLLM's own OpenAI server in-process (a signal meanwhile cancels the start: the
+    # runtime), with the flags `vllm serve` would get.
+    model_path = await asyncio.to_thread(prepare_model_folder, settings)
+    server = VllmServer(flags_of(settings, model_path))
+    rt.on_stop(server.stop)
+    log.info("loading %s from %s", settings.name, model_path)
+    await server.start()
 
     # 2. Connect. The consumer must exist before the deployment is announced: the gateway
     # publishes work as soon as it sees the announcement, and WORK keeps only what some consumer
@@ -60,8 +63,8 @@ async def run(rt: Runtime, settings: InferenceSettings) -> None:
     deployment = subjects.deployment_key(settings.name)
     await bus.ensure_work_consumer(js, deployment, ack_wait_s=settings.ack_wait_s,
                                    max_deliver=settings.max_deliver)
-    info = DeploymentInfo(model=settings.name, deployment=deployment,
-                          max_model_len=engine.info.max_model_len, engine=engine.info.name)
+    info = DeploymentInfo(model=settings.name, deployment=deployment, max_model_len=server.max_model_len,
+                          engine="vllm", tasks=list(server.tasks))
     kv = await js.key_value(subjects.MODELS_BUCKET)
     await kv.put(deployment, info.model_dump_json().encode())
 
@@ -70,26 +73,25 @@ async def run(rt: Runtime, settings: InferenceSettings) -> None:
     adapters = None
     if settings.adapters:
         folder = settings.state_dir / "adapters" / re.sub(r"[^A-Za-z0-9_.-]", "-", rt.replica)
-        adapters = AdapterManager(js, engine, base_model=settings.name, replica=rt.replica,
+        adapters = AdapterManager(js, server, base_model=settings.name, replica=rt.replica,
                                   root=folder.resolve(), max_jobs=settings.max_adapters)
         rt.on_stop(adapters.stop)
         await adapters.start()
-    worker = Worker(nc, js, engine, prompts, deployment=deployment, replica=rt.replica,
+    worker = Worker(nc, js, server, deployment=deployment, replica=rt.replica,
                     max_inflight=settings.max_inflight, ack_wait_s=settings.ack_wait_s,
                     max_deliver=settings.max_deliver, adapters=adapters)
 
     def status() -> dict[str, Any]:
-        return {"model": settings.name, "engine": engine.info.name, "in_flight": len(worker.inflight),
-                "served": worker.served, "max_model_len": engine.info.max_model_len,
-                "adapters": adapters.loaded() if adapters else {}}
+        return {"model": settings.name, "engine": "vllm", "tasks": list(server.tasks),
+                "in_flight": len(worker.inflight), "served": worker.served,
+                "max_model_len": server.max_model_len, "adapters": adapters.loaded() if adapters else {}}
 
     # 4. Answer svc.inference.status (the gateway's health check counts the replicas that do).
     await rt.add_service(subjects.INFERENCE_SERVICE, subjects.SVC_INFERENCE_STATUS, status=status,
                          description=f"Loopline inference replica serving {settings.name}",
-                         metadata={"model": settings.name, "engine": engine.info.name,
-                                   "deployment": deployment})
-    log.info("replica %s serving %s (%s engine, max_model_len %d)", rt.replica, settings.name,
-             engine.info.name, engine.info.max_model_len)
+                         metadata={"model": settings.name, "engine": "vllm", "deployment": deployment})
+    log.info("replica %s serving %s (vLLM, tasks %s, max_model_len %d)", rt.replica, settings.name,
+             ",".join(server.tasks), server.max_model_len)
 
     # 5. Serve until told to stop; the requests in flight then get to finish.
     loops = {"worker": worker.run(rt.stopping)}

