@@ -121,7 +121,8 @@ class ModelDirectory:
             adapter = await self.adapters.find(name)
         if adapter is not None and adapter.base_model in self.served:
             return Route(self.served[adapter.base_model], adapter.job_hash, adapter.job_hash, adapter.step)
-        raise ApiError(404, await self._not_served(name, adapter), param="model", type="model_not_found")
+        # vLLM's own type for an unknown model, so clients that match on it behave as with vllm serve.
+        raise ApiError(404, await self._not_served(name, adapter), param="model", type="NotFoundError")
 
     async def _not_served(self, name: str, adapter: ServedAdapter | None) -> str:
         """Why ``name`` is not servable, as precisely as we can tell (this is the error path)."""
@@ -140,4 +141,4 @@ class ModelDirectory:
             if job is not None:
                 return (f"job {name} is not deployed yet ({job.status.value}, step {job.step} of "
                         f"{job.max_steps}): it is served once a replica has loaded a checkpoint of it")
-        return f"model {name!r} not found; served models: {known}"
+        return f"The model `{name}` does not exist. Served models: {known}."

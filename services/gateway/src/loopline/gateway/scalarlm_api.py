@@ -70,22 +70,23 @@ def result_entry(rid: str, result: ResultItem | None) -> dict:
         return {"request_id": rid, "response": None, "error": None}
     if result.error is not None:
         return {"request_id": rid, "response": None, "error": result.error.message}
-    entry = {"request_id": rid, "response": generated_text(result), "error": None,
-             "token_count": result.completion_tokens}
+    choice = first_choice(result)
+    message = choice.get("message") or {}
+    entry = {"request_id": rid, "response": message.get("content") or choice.get("text") or "",
+             "error": None, "token_count": result.completion_tokens}
+    if message.get("tool_calls"):
+        entry["tool_calls"] = message["tool_calls"]  # as ScalarLM's workers report them
     if result.adapter_step is not None:
         # Which checkpoint answered. The scalarlm client reads only request_id/response/error,
-        # by key, so an extra key (like token_count) passes through it untouched.
+        # by key, so extra keys (like token_count) pass through it untouched.
         entry["adapter_step"] = result.adapter_step
     return entry
 
 
-def generated_text(result: ResultItem) -> str:
-    """The text of vLLM's completion or chat completion answer (Prompt.as_request asked for one)."""
+def first_choice(result: ResultItem) -> dict[str, Any]:
+    """The one choice of vLLM's completion or chat completion answer (Prompt.as_request)."""
     choices = json.loads(result.body).get("choices") or [{}]
-    first = choices[0]
-    if "message" in first:
-        return first["message"].get("content") or ""
-    return first.get("text") or ""
+    return choices[0]
 
 
 async def collect(gateway: Gateway, ids: list[str], timeout_s: float, *, stored_first: bool) -> list[dict]:
@@ -118,10 +119,15 @@ async def generate(body: GenerateRequest, request: Request):
         raise ApiError(413, f"{len(body.prompts)} prompts in one request; the limit is "
                             f"{settings.max_prompts_per_request}: use /v1/generate/upload")
     prompts = [parse_prompt(p, f"prompts[{i}]") for i, p in enumerate(body.prompts)]
+    tools = {k: v for k, v in (("tools", body.tools), ("tool_choice", body.tool_choice)) if v is not None}
+    if tools and any(p.messages is None for p in prompts):
+        # vLLM takes tools on chat completions only; dropping them would answer in prose.
+        raise ApiError(400, "tools and tool_choice need chat prompts ({\"messages\": [...]}), not text",
+                       param="tools")
     route = await gateway.models.resolve(body.model)
     max_tokens = body.max_tokens or settings.default_max_tokens
     key = {"prompts": body.prompts, "model": route.model, "max_tokens": max_tokens,
-           "temperature": body.temperature}
+           "temperature": body.temperature, **tools}
     if route.adapter is not None:
         # Batches are content-addressed; the same prompts after further training are a new batch.
         key["adapter_step"] = route.step
@@ -130,7 +136,7 @@ async def generate(body: GenerateRequest, request: Request):
     waiter = await gateway.results.waiter(group)
     try:
         ids, known = await submit_prompts(gateway, route, group, prompts, max_tokens, body.temperature,
-                                          kind="generate", skip_if_known=True)
+                                          kind="generate", skip_if_known=True, tools=tools)
         found = await waiter.wait(list(range(len(ids))), settings.response_timeout_s, stored_first=known)
     finally:
         await waiter.close()

@@ -21,12 +21,13 @@ class Prompt:
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
 
-    def as_request(self, model: str, max_tokens: int, temperature: float) -> tuple[str, str]:
+    def as_request(self, model: str, max_tokens: int, temperature: float,
+                   tools: dict[str, Any] | None = None) -> tuple[str, str]:
         """The vLLM route and JSON body that generate for this prompt: a completion for text, a
-        chat completion for messages (the chat template is vLLM's)."""
+        chat completion for messages (the chat template and ``tools`` are vLLM's)."""
         params = {"model": model, "max_tokens": max_tokens, "temperature": temperature}
         if self.messages is not None:
-            return "/v1/chat/completions", json.dumps({**params, "messages": self.messages})
+            return "/v1/chat/completions", json.dumps({**params, **(tools or {}), "messages": self.messages})
         return "/v1/completions", json.dumps({**params, "prompt": self.text})
 
 
@@ -63,8 +64,8 @@ def check_max_tokens(route: Route, max_tokens: int) -> None:
 
 
 async def submit_prompts(gateway: Gateway, route: Route, group: str, prompts: list[Prompt],
-                         max_tokens: int, temperature: float, *, kind: str,
-                         skip_if_known: bool = False) -> tuple[list[str], bool]:
+                         max_tokens: int, temperature: float, *, kind: str, skip_if_known: bool = False,
+                         tools: dict[str, Any] | None = None) -> tuple[list[str], bool]:
     """Publish one work item per prompt. Returns their request ids in prompt order, and whether
     the batch had been accepted before (then nothing is published: its work is queued or done)."""
     check_max_tokens(route, max_tokens)
@@ -72,7 +73,8 @@ async def submit_prompts(gateway: Gateway, route: Route, group: str, prompts: li
     if skip_if_known and await gateway.work.manifest(group) is not None:
         return ids, True
     gateway.admission.admit(route.deployment, len(prompts))
-    items = [work_item(route, rid, group, i, p, max_tokens, temperature, kind=kind, total=len(prompts))
+    items = [work_item(route, rid, group, i, p, max_tokens, temperature, kind=kind, total=len(prompts),
+                       tools=tools)
              for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))]
     # ScalarLM batches are polled for later, possibly through another gateway: a manifest says the
     # batch is known.
@@ -82,8 +84,8 @@ async def submit_prompts(gateway: Gateway, route: Route, group: str, prompts: li
 
 
 def work_item(route: Route, rid: str, group: str, index: int, prompt: Prompt, max_tokens: int,
-              temperature: float, *, kind: str, total: int) -> WorkItem:
+              temperature: float, *, kind: str, total: int, tools: dict[str, Any] | None = None) -> WorkItem:
     # An adapter request names the job: the replica swaps in the version it pins.
-    path, body = prompt.as_request(route.adapter or route.info.model, max_tokens, temperature)
+    path, body = prompt.as_request(route.adapter or route.info.model, max_tokens, temperature, tools)
     return WorkItem(request_id=rid, group=group, index=index, model=route.model, route=path, body=body,
                     adapter=route.adapter, kind=kind, batch_total=total)
