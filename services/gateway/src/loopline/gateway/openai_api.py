@@ -98,7 +98,7 @@ async def relay(request: Request):
     if isinstance(first, ResultItem) and not first.streamed:
         await events.close()
         # A Response, not a dict: the body is vLLM's JSON text already.
-        return Response(first.body, status_code=first.status, media_type=first.media_type)
+        return Response(first.text(), status_code=first.status, media_type=first.media_type)
     return StreamingResponse(_relay_stream(events, first), media_type=SSE,
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -127,7 +127,7 @@ async def _relay_stream(events: _Events, first: tuple[int, bytes] | ResultItem) 
                     for stored in event.events()[sent:]:
                         yield stored.encode()
                 else:  # failed after the stream began (dead-lettered, cancelled)
-                    yield b"data: %s\n\ndata: [DONE]\n\n" % event.body.encode()
+                    yield b"data: %s\n\ndata: [DONE]\n\n" % event.text().encode()
                 return
             else:
                 idle += KEEPALIVE_S

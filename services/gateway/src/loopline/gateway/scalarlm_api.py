@@ -85,7 +85,7 @@ def result_entry(rid: str, result: ResultItem | None) -> dict:
 
 def first_choice(result: ResultItem) -> dict[str, Any]:
     """The one choice of vLLM's completion or chat completion answer (Prompt.as_request)."""
-    choices = json.loads(result.body).get("choices") or [{}]
+    choices = json.loads(result.text()).get("choices") or [{}]
     return choices[0]
 
 

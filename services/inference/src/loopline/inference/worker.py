@@ -143,6 +143,12 @@ class Worker:
                 result = self._error(item, 500, f"generation failed: {exc}", "server_error")
             span.set_attribute("http.status_code", result.status)
             payload = result.model_dump_json().encode()
+            if len(payload) > self.nc.max_payload:
+                # Compressed and still more than NATS carries: say so rather than retry forever.
+                why = (f"the answer is {len(payload)} bytes compressed, more than the message bus carries "
+                       f"({self.nc.max_payload}); ask for fewer tokens, choices or logprobs")
+                result = self._error(item, 413, why)
+                payload = result.model_dump_json().encode()
             if item.reply_to:
                 # The waiting gateway hears now, in the same write as the stored copy below, not
                 # after JetStream's ack. The stored copy stays the record: only it lets us ack the
@@ -198,7 +204,7 @@ class Worker:
         prompt_tokens, completion_tokens = usage_of(raw, answer.streamed)
         return ResultItem(
             request_id=item.request_id, group=item.group, index=item.index, model=item.model,
-            status=answer.status, body=text, media_type=answer.media_type,
+            status=answer.status, **ResultItem.with_body(text), media_type=answer.media_type,
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             error=error_of(answer.status, raw), replica=self.replica, started_at=started,
             adapter_step=version.step if version is not None else None,
