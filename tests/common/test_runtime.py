@@ -4,72 +4,13 @@ ignore the stop, and whose start-up fails or is interrupted."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from loopline.common import bus
-from loopline.common.schemas import ServiceStatus
 from support.runtime_probe import GRACE_S, SERVICE, STATUS_SUBJECT
-
-TESTS = Path(__file__).resolve().parents[1]
-
-
-class Probe:
-    def __init__(self, scenario: str, nats_url: str, log_path: Path, **env: str):
-        self.log_path = log_path
-        base = {k: v for k, v in os.environ.items() if k != "LOOPLINE_REPLICA_ID"}
-        path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
-        with open(log_path, "wb") as log:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "support.runtime_probe", scenario], stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**base, "PYTHONPATH": path, "LOOPLINE_NATS_URL": nats_url, **env})
-
-    @property
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_log(self, text: str, timeout_s: float = 30) -> None:
-        deadline = time.monotonic() + timeout_s
-        while text not in self.log:
-            assert self.popen.poll() is None, f"exited {self.popen.returncode} before {text!r}:\n{self.log}"
-            assert time.monotonic() < deadline, f"no {text!r} after {timeout_s} s:\n{self.log}"
-            time.sleep(0.05)
-
-    def exit_code(self, timeout_s: float = 30) -> int:
-        try:
-            return self.popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            pytest.fail(f"still running after {timeout_s} s:\n{self.log}")
-
-    def signal(self, signum: int) -> float:
-        self.popen.send_signal(signum)
-        return time.monotonic()
-
-
-@pytest.fixture
-def probe(nats_url, tmp_path):
-    started: list[Probe] = []
-
-    def start(scenario: str, **env: str) -> Probe:
-        started.append(Probe(scenario, nats_url, tmp_path / f"probe-{len(started)}.log", **env))
-        return started[-1]
-
-    yield start
-    for p in started:
-        if p.popen.poll() is None:
-            p.popen.kill()
-            p.popen.wait()
 
 
 def test_loops_that_end_on_the_stop_exit_0(probe):
@@ -151,25 +92,15 @@ def test_a_signal_during_start_up_stops_it_at_once_with_0(probe):
     assert "probe: cleanup ran" in log and "Traceback" not in log
 
 
-async def ask_status(nats_url: str) -> tuple[ServiceStatus, dict]:
-    nc = await bus.connect(nats_url, "runtime-test")
-    try:
-        status = ServiceStatus.model_validate_json((await nc.request(STATUS_SUBJECT, b"{}", timeout=5)).data)
-        info = json.loads((await nc.request(f"$SRV.INFO.{SERVICE}", b"", timeout=5)).data)
-        return status, info
-    finally:
-        await nc.close()
-
-
 @pytest.mark.parametrize("replica_id", ["probe-7", None])
-def test_status_answers_with_the_replica_id(probe, nats_url, replica_id):
+def test_status_answers_with_the_replica_id(probe, replica_id):
     env = {"LOOPLINE_REPLICA_ID": replica_id} if replica_id else {}
     p = probe("stop", **env)
     p.wait_log("serving:")
-    status, info = asyncio.run(ask_status(nats_url))
+    status, info = p.status()
     expected = replica_id or f"{socket.gethostname()}-{p.popen.pid}"
     assert status.service == "probe" and status.replica == expected
-    assert status.detail == {"scenario": "stop"}
+    assert status.detail["scenario"] == "stop"
     assert info["name"] == SERVICE and info["metadata"]["replica"] == expected
     assert any(e["subject"] == STATUS_SUBJECT for e in info["endpoints"])
     p.signal(signal.SIGTERM)

@@ -1,6 +1,7 @@
 """``python -m support.runtime_probe <scenario>``: a service made of nothing but the shared runtime
-(loopline.common.runtime), its loops chosen to end, raise, return early or ignore the stop, for
-tests/common/test_runtime.py. Run with ``PYTHONPATH`` holding tests/ and ``LOOPLINE_NATS_URL`` set.
+(loopline.common.runtime), its loops chosen to end, raise, return early, ignore the stop or hold
+the event loop, for tests/common/test_runtime.py and test_metrics.py. Run with ``PYTHONPATH``
+holding tests/ and ``LOOPLINE_NATS_URL`` set.
 
 It reports on loopline-runtime-probe (status on svc.runtime_probe.status) and logs what it does
 ("probe: ..."), so a test reads from the log what ran.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 
 from loopline.common import runtime
 from loopline.common.settings import CommonSettings
@@ -48,6 +50,15 @@ async def ignores_stop(rt: runtime.Runtime) -> None:
         raise
 
 
+async def blocks_the_event_loop(rt: runtime.Runtime, seconds: float = 5.0) -> None:
+    """A loop that holds the event loop (a synchronous call where an await belonged), then behaves."""
+    await asyncio.sleep(0.1)
+    log.info("probe: blocking the event loop")
+    time.sleep(seconds)  # noqa: ASYNC251 - the bug a scrape must survive
+    log.info("probe: event loop free again")
+    await rt.stopping.wait()
+
+
 async def raises_on_stop(rt: runtime.Runtime) -> None:
     await rt.stopping.wait()
     raise RuntimeError("failed while stopping")
@@ -59,6 +70,7 @@ SCENARIOS = {
     "return": lambda rt: {"steady": until_stopped(rt, "steady"), "quitter": returns_early()},
     "ignore": lambda rt: {"steady": until_stopped(rt, "steady"), "stubborn": ignores_stop(rt)},
     "raise-on-stop": lambda rt: {"steady": until_stopped(rt, "steady"), "clumsy": raises_on_stop(rt)},
+    "block": lambda rt: {"steady": until_stopped(rt, "steady"), "hog": blocks_the_event_loop(rt)},
 }
 
 

@@ -3,8 +3,9 @@
 Every service's ``__main__`` is one line, ``runtime.main(ROLE, TheSettings, run)``, and its
 ``run(rt, settings)`` reads as a short numbered list of steps that ends in
 ``await rt.serve({"name": loop(), ...})``. What used to be copied into each service lives here:
-the replica id, logging, tracing, the NATS connection, signal handling, the ``$SRV`` service with
-its ``status`` endpoint, the policy for loops that die, and the drain at the end.
+the replica id, logging, tracing, the Prometheus ``/metrics`` server (metrics.py), the NATS
+connection, signal handling, the ``$SRV`` service with its ``status`` endpoint, the policy for loops
+that die, and the drain at the end.
 
 Exit policy (the supervisor — ``make up``, compose, Kubernetes — restarts a process that exits
 non-zero, so a process that cannot do its job must exit rather than limp on):
@@ -39,7 +40,7 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
 
-from loopline.common import bus
+from loopline.common import bus, metrics
 from loopline.common.schemas import ServiceStatus
 from loopline.common.settings import CommonSettings
 from loopline.common.telemetry import setup_tracing
@@ -87,6 +88,7 @@ class Runtime:
         self._cleanups = AsyncExitStack()
         self._serving = False
         self._startup: asyncio.Task | None = None
+        self.metrics: metrics.MetricsServer | None = None
 
     # --- start-up -----------------------------------------------------------------------------------
     async def connect(self, *, topology: bool = True) -> tuple[NATS, JetStreamContext]:
@@ -104,21 +106,24 @@ class Runtime:
                           status: StatusDetail, metadata: Mapping[str, str] | None = None) -> Service:
         """Register this process as an instance of the nats.micro service ``name`` ($SRV.PING,
         INFO, STATS) with a ``status`` endpoint answering a ServiceStatus whose ``detail`` is
-        ``status()``. Add the service's own endpoints to what this returns. It stops answering as
-        soon as the process is told to stop, before its loops finish."""
+        ``status()`` plus ``metrics_url`` (where this process serves ``/metrics``, when it does; the
+        service's INFO metadata has it as ``metrics``). Add the service's own endpoints to what this
+        returns. It stops answering as soon as the process is told to stop, before its loops finish."""
         if self.nc is None:
             raise RuntimeError("connect() before add_service()")
+        metrics_url = {"metrics_url": self.metrics.url} if self.metrics else {}
 
         async def answer_status(req: Request) -> None:
             detail = status()
             if isinstance(detail, Awaitable):
                 detail = await detail
-            reply = ServiceStatus(service=self.role, replica=self.replica, detail=detail)
+            reply = ServiceStatus(service=self.role, replica=self.replica, detail={**detail, **metrics_url})
             await req.respond(reply.model_dump_json().encode())
 
         self.service = await add_service(
             self.nc, name=name, version=VERSION, description=description,
-            metadata={"replica": self.replica, **(metadata or {})})
+            metadata={"replica": self.replica, **(metadata or {}),
+                      **({"metrics": self.metrics.url} if self.metrics else {})})
         await self.service.add_endpoint(name="status", subject=status_subject, handler=answer_status)
         self._cleanups.push_async_callback(self._stop_service)
         return self.service
@@ -206,13 +211,28 @@ class Runtime:
         except Exception as exc:  # noqa: BLE001 - already closed by a failed reconnect
             log.debug("drain: %s", exc)
 
+    def _serve_metrics(self) -> None:
+        """Serve ``/metrics`` from the first moment, so a replica still loading its model can be
+        scraped too; the server closes last, after NATS has drained."""
+        metrics.SERVICE.info({"role": self.role, "replica": self.replica, "version": VERSION})
+        self.metrics = metrics.serve_metrics(self.settings.metrics_port)
+        if self.metrics is None:
+            log.info("%s %s: metrics off", self.role, self.replica)
+            return
+        self._cleanups.push_async_callback(asyncio.to_thread, self.metrics.close)
+        log.info("%s %s: metrics at %s", self.role, self.replica, self.metrics.url)
+
+    async def _start(self, body: Callable[[Runtime], Awaitable[None]]) -> None:
+        self._serve_metrics()
+        await body(self)
+
     async def run(self, body: Callable[[Runtime], Awaitable[None]]) -> int:
         """Run ``body`` (the service's start-up steps, ending in ``serve``); returns the exit status."""
         setup_tracing(f"loopline-{self.role}", self.settings.otlp_endpoint)
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
-        self._startup = asyncio.create_task(_named(body(self)), name=f"{self.role}-run")
+        self._startup = asyncio.create_task(self._start(body), name=f"{self.role}-run")
         try:
             await self._startup
         except asyncio.CancelledError:

@@ -16,12 +16,23 @@ from pathlib import Path
 
 from nats.js import JetStreamContext
 from nats.js.object_store import ObjectStore
+from prometheus_client import Counter, Histogram
 
 from loopline.checkpoint_watcher import pack, publish, scan
 from loopline.checkpoint_watcher.cursor import Cursors, JobCursor
 from loopline.checkpoint_watcher.validate import Rejected
 
 log = logging.getLogger(__name__)
+
+CHECKPOINTS = Counter("loopline_checkpoints", (
+    "Checkpoint folders handled, by outcome: announced (stored and published on CHECKPOINTS), "
+    "rejected (not a servable adapter), skipped (a newer one of the same job was announced)."),
+    ["outcome"])
+# Seconds from the checkpoint's folder being written to its announcement: inotify makes it well
+# under a second, a rescan (every rescan_interval_s) or a large adapter's upload longer.
+PUBLISH_LATENCY = Histogram("loopline_checkpoint_publish_seconds", (
+    "From a checkpoint being written to its announcement on CHECKPOINTS."),
+    buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, float("inf")))
 
 
 class CheckpointWatcher:
@@ -70,6 +81,7 @@ class CheckpointWatcher:
                 await publish.reject(self.js, job_hash, step_dir, str(exc))
                 cursor.seen[step_dir.step] = step_dir.fingerprint
                 self.counts["rejected"] += 1
+                CHECKPOINTS.labels("rejected").inc()
                 continue
             try:
                 # The same step rewritten with the same bytes (a resumed run) is already served.
@@ -93,12 +105,15 @@ class CheckpointWatcher:
     def _skip(self, cursor: JobCursor, step_dir: scan.StepDir) -> None:
         cursor.seen[step_dir.step] = step_dir.fingerprint
         self.counts["skipped"] += 1
+        CHECKPOINTS.labels("skipped").inc()
 
     def _announced(self, message) -> None:
         latency = message.announced_at - message.created_at
         log.info("job %s step %d announced (%s, %d bytes, %.0f ms after it was written)",
                  message.job_hash, message.step, message.adapter_type, message.size, latency * 1000)
         self.counts["announced"] += 1
+        CHECKPOINTS.labels("announced").inc()
+        PUBLISH_LATENCY.observe(latency)
         self.last_announced = {"job_hash": message.job_hash, "step": message.step,
                                "sha256": message.sha256, "latency_s": round(latency, 4),
                                "at": time.time()}

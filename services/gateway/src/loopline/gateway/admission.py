@@ -11,6 +11,7 @@ import time
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from prometheus_client import Counter
 
 from loopline.common import subjects
 from loopline.common.schemas import QueueState
@@ -19,6 +20,9 @@ from loopline.gateway.errors import ApiError
 # A queue state older than this is ignored (the queue service is down): admit, JetStream still
 # bounds the stream.
 QUEUE_STATE_STALE_S = 5.0
+
+REJECTED = Counter("loopline_gateway_admission_rejections", (
+    "Requests answered 429 because their deployment's queue was full, by deployment."), ["deployment"])
 
 
 class Admission:
@@ -44,6 +48,7 @@ class Admission:
         load = state.deployments.get(deployment)
         depth = (load.depth if load else 0) + self._admitted_since_state.get(deployment, 0)
         if depth + count > state.max_depth:
+            REJECTED.labels(deployment).inc()
             raise ApiError(
                 429,
                 f"the queue for this model is full ({depth} requests waiting or running, limit "

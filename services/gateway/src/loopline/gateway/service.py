@@ -1,7 +1,7 @@
 """The gateway process: connect, build the parts, report as ``loopline-gateway``, serve HTTP.
 
 Loops, each its own task under the shared runtime (loopline.common.runtime):
-  http     uvicorn: the OpenAI and ScalarLM routes              (http_server.py)
+  http     uvicorn: the OpenAI and ScalarLM routes, /metrics     (http_server.py, http_metrics.py)
   models   MODELS bucket -> the served models, every 2 s         (model_directory.py)
 The rest of the gateway runs on NATS subscriptions (queue state, answers, adapter events), which
 need no loop of their own. The gateway listens only once every part has started: a client that
@@ -13,6 +13,7 @@ from __future__ import annotations
 from loopline.common import subjects
 from loopline.common.runtime import Runtime
 from loopline.common.settings import GatewaySettings
+from loopline.gateway import http_metrics
 from loopline.gateway.app import create_app
 from loopline.gateway.gateway import Gateway
 from loopline.gateway.http_server import HttpServer
@@ -33,9 +34,11 @@ async def run(rt: Runtime, settings: GatewaySettings) -> None:
         description="Loopline gateway: OpenAI- and ScalarLM-compatible REST over NATS",
         metadata={"http": f"{settings.host}:{settings.port}", "answers": gateway.answers.gateway})
 
-    # 4. Serve HTTP and keep the model registry fresh until told to stop; in-flight requests finish
-    #    before NATS drains.
-    server = HttpServer(create_app(settings, gateway), settings)
+    # 4. Serve HTTP (every request counted for /metrics) and keep the model registry fresh until
+    #    told to stop; in-flight requests finish before NATS drains.
+    app = create_app(settings, gateway)
+    http_metrics.install(app)
+    server = HttpServer(app, settings)
     await rt.serve({
         "http": server.serve_until(rt.stopping),
         "models": gateway.models.run(rt.stopping),

@@ -30,8 +30,9 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 from nats.js.object_store import ObjectStore
+from prometheus_client import Counter, Histogram
 
-from loopline.common import bus, subjects
+from loopline.common import bus, metrics, subjects
 from loopline.common.job_hash import is_job_hash
 from loopline.common.job_schemas import AdapterEvent, CheckpointAnnounce
 from loopline.inference.adapter_files import BadArchive, download, unpack
@@ -42,6 +43,13 @@ log = logging.getLogger(__name__)
 
 # Announce-driven loads that fail for a passing reason (NATS restarting) are retried this often.
 LOAD_ATTEMPTS = 4
+
+LOADS = Counter("loopline_adapter_loads", (
+    "Adapter checkpoint loads on this replica, by outcome (loaded; rejected: the engine or the files "
+    "refuse it; failed: a passing fault, retried) and adapter type."), ["outcome", "adapter_type"])
+LOAD_LATENCY = Histogram("loopline_adapter_load_seconds", (
+    "Loading one adapter checkpoint (download, unpack, into the engine), by adapter type."),
+    ["adapter_type"], buckets=metrics.LATENCY_BUCKETS)
 
 
 @dataclass(eq=False)  # identity, not value: two loads of one step are two versions
@@ -248,12 +256,15 @@ class AdapterManager:
             await asyncio.to_thread(shutil.rmtree, folder, True)
             raise _Refused(str(exc)) from exc
         except Exception as exc:  # the object store is unreachable: may pass
+            LOADS.labels("failed", announce.adapter_type).inc()
             await asyncio.to_thread(shutil.rmtree, folder, True)
             raise AdapterUnavailable(503, f"could not fetch {announce.object_name}: {exc!r}") from exc
         return Version(announce.job_hash, announce.step, announce.sha256, handle, folder)
 
     def _loaded(self, announce: CheckpointAnnounce, started: float) -> None:
         loaded = time.time()
+        LOADS.labels("loaded", announce.adapter_type).inc()
+        LOAD_LATENCY.labels(announce.adapter_type).observe(loaded - started)
         log.info("serving %s step %d: loaded in %.3f s, %.3f s after it was written",
                  announce.job_hash[:12], announce.step, loaded - started, loaded - announce.created_at)
         self._emit(AdapterEvent(
@@ -264,6 +275,7 @@ class AdapterManager:
     def _reject(self, announce: CheckpointAnnounce, why: str) -> None:
         log.warning("cannot serve %s step %d: %s", announce.job_hash[:12], announce.step, why)
         self.rejected[announce.job_hash] = (announce.step, announce.sha256, why)
+        LOADS.labels("rejected", announce.adapter_type).inc()
         self._emit(AdapterEvent(job_hash=announce.job_hash, kind="rejected", step=announce.step,
                                 reason=why, replica=self.replica, base_model=self.base_model,
                                 adapter_type=announce.adapter_type))

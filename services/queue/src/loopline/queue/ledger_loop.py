@@ -15,6 +15,7 @@ from typing import Generic, TypeVar
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from prometheus_client import Counter
 from pydantic import BaseModel, ValidationError
 from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, IntegrityError
@@ -31,6 +32,14 @@ Item = TypeVar("Item", WorkItem, ResultItem)
 # How long one fetch waits for a first message; also the longest a shutdown waits on this loop.
 FETCH_WAIT_S = 1.0
 RETRY_DELAY_S = 1.0
+
+ROWS = Counter("loopline_queue_ledger_rows", (
+    "Messages the ledger has handled, by feed (work, results) and outcome: written (committed), "
+    "refused (the database refuses the row), unparsable (not a work item or result)."),
+    ["feed", "outcome"])
+WRITE_FAILURES = Counter("loopline_queue_ledger_write_failures", (
+    "Batches whose transaction failed (the database unreachable); their messages are redelivered."),
+    ["feed"])
 
 
 @dataclass
@@ -89,6 +98,7 @@ async def run_feed(
                 except ValidationError as exc:
                     # Redelivering a payload that cannot parse would only fail again, forever.
                     log.error("ledger %s: dropping unparsable message %s: %s", feed.name, msg.subject, exc)
+                    ROWS.labels(feed.name, "unparsable").inc()
                     await msg.term()
 
             try:
@@ -97,11 +107,14 @@ async def run_feed(
                 log.exception(
                     "ledger %s: writing %d rows failed; they will be redelivered", feed.name, len(items)
                 )
+                WRITE_FAILURES.labels(feed.name).inc()
                 for msg in good:
                     await msg.nak(delay=RETRY_DELAY_S)
                 await pause(stopping, RETRY_DELAY_S)
                 continue
 
+            ROWS.labels(feed.name, "written").inc(len(good) - len(refused))
+            ROWS.labels(feed.name, "refused").inc(len(refused))
             refused_ids = {id(msg) for msg in refused}
             for msg in good:
                 if id(msg) in refused_ids:

@@ -16,7 +16,7 @@ import asyncio
 import os
 from typing import Any
 
-from loopline.common import subjects
+from loopline.common import metrics, subjects
 from loopline.common.db.engine import migrate, open_database
 from loopline.common.runtime import Runtime
 from loopline.common.settings import QueueSettings
@@ -25,6 +25,7 @@ from loopline.queue.dead_letters import DeadLetters
 from loopline.queue.deployments import DeploymentDirectory
 from loopline.queue.endpoints import Endpoints
 from loopline.queue.ledger_loop import RESULTS_FEED, WORK_FEED, run_feed
+from loopline.queue.state_metrics import state_families
 
 
 async def run(rt: Runtime, settings: QueueSettings) -> None:
@@ -43,6 +44,8 @@ async def run(rt: Runtime, settings: QueueSettings) -> None:
     admission = Admission(nc, js, directory, max_depth=settings.max_queue_depth,
                           interval_s=settings.state_interval_s)
     endpoints = Endpoints(js, db, admission)
+    # /metrics reads the admission state last published (the ledger counts its rows itself).
+    rt.on_stop(metrics.register(metrics.StateCollector(lambda: admission.latest, state_families)))
 
     # 4. Answer svc.queue.* (every replica in one queue group: each request is answered once).
     service = await rt.add_service(

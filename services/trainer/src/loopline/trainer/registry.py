@@ -1,4 +1,5 @@
-"""The job registry in SQL (``jobs`` table), and ``Job``, the trainer's internal view of a row.
+"""The job registry in SQL (``jobs`` table), ``Job``, the trainer's internal view of a row, and
+the registry's job counts as Prometheus gauges (``job_count_families``).
 
 Methods are synchronous (SQLAlchemy); the service calls them through ``asyncio.to_thread``. Each
 call is its own short transaction: the per-job lock in control.py, not SQL, orders the changes
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
@@ -153,3 +156,14 @@ class Registry:
         with Session(self.engine) as s:
             rows = s.execute(sa.select(JobRow.status, sa.func.count()).group_by(JobRow.status)).all()
             return dict(rows)
+
+
+def job_count_families(counts: dict[str, int] | None) -> list[Metric]:
+    """``loopline_trainer_jobs``: the registry's jobs by status (``counts``), every status present
+    (0 when no job has it); without samples for None (see StateCollector)."""
+    jobs = GaugeMetricFamily("loopline_trainer_jobs", "Training jobs in the registry, by status.",
+                             labels=["status"])
+    if counts is not None:
+        for status in JobStatus:
+            jobs.add_metric([status.value], counts.get(status.value, 0))
+    return [jobs]

@@ -16,7 +16,7 @@ import asyncio
 import functools
 import logging
 
-from loopline.common import subjects
+from loopline.common import metrics, subjects
 from loopline.common.db.engine import migrate, open_database
 from loopline.common.runtime import Runtime
 from loopline.common.settings import TrainerSettings
@@ -26,7 +26,7 @@ from loopline.trainer.endpoints import Endpoints
 from loopline.trainer.events import EventPublisher
 from loopline.trainer.launchers import make_launchers
 from loopline.trainer.reconcile import reconcile_loop
-from loopline.trainer.registry import Registry
+from loopline.trainer.registry import Registry, job_count_families
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,8 @@ async def run(rt: Runtime, settings: TrainerSettings) -> None:
     registry = Registry(db)
     control = JobControl(settings, registry, launcher, launchers, js, EventPublisher(js, registry))
     endpoints = Endpoints(control)
+    # /metrics counts the registry's jobs by status when scraped (on the scrape's thread).
+    rt.on_stop(metrics.register(metrics.StateCollector(registry.counts, job_count_families)))
 
     # 4. Answer svc.trainer.*; at the stop, requests in progress get to finish (a submit between
     # sbatch and its row update) before NATS drains.
