@@ -76,9 +76,19 @@ def answer(gateway: str, group: str) -> str:
     return f"answers.{gateway}.{group}"
 
 
-# --- token streams (core NATS, not stored) --------------------------------------------------------
+# --- answer streams and cancels (core NATS, not stored) -------------------------------------------
 def token_stream(request_id: str) -> str:
+    """A streamed answer's events, as the replica's vLLM makes them."""
     return f"stream.{request_id}"
+
+
+# A gateway whose client went away says so here; the replica serving the request then tells vLLM
+# its client disconnected, and vLLM aborts the generation, as `vllm serve` does for its own clients.
+CANCELS = "cancel.*"
+
+
+def cancel(request_id: str) -> str:
+    return f"cancel.{request_id}"
 
 
 # --- queue state, published by the queue service for admission control ----------------------------

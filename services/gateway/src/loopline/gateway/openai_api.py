@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from nats.aio.subscription import Subscription
 
+from loopline.common import subjects
 from loopline.common.schemas import QUEUED_ROUTES, ResultItem, WorkItem
 from loopline.gateway.answers import Answers
 from loopline.gateway.errors import ApiError
@@ -114,6 +115,7 @@ async def _relay_stream(events: _Events, first: tuple[int, bytes] | ResultItem) 
     sent = 0
     event: tuple[int, bytes] | ResultItem | None = first
     idle = 0.0
+    finished = False
     try:
         # Invariant: the client has exactly events 0..sent-1 of the answer.
         while True:
@@ -128,6 +130,7 @@ async def _relay_stream(events: _Events, first: tuple[int, bytes] | ResultItem) 
                         yield stored.encode()
                 else:  # failed after the stream began (dead-lettered, cancelled)
                     yield b"data: %s\n\ndata: [DONE]\n\n" % event.text().encode()
+                finished = True
                 return
             else:
                 idle += KEEPALIVE_S
@@ -140,6 +143,8 @@ async def _relay_stream(events: _Events, first: tuple[int, bytes] | ResultItem) 
             if event is not None:
                 idle = 0.0
     finally:
+        if not finished:  # the client went away (or we gave up): vLLM need not go on generating
+            await events.cancel()
         await events.close()
 
 
@@ -181,6 +186,12 @@ class _Events:
                         continue
                 if time.monotonic() >= deadline:
                     return None
+
+    async def cancel(self) -> None:
+        try:
+            await self.stored.nc.publish(subjects.cancel(self.rid), b"")
+        except Exception:  # noqa: BLE001 - NATS down: the generation runs to its end, nothing lost
+            pass
 
     async def close(self) -> None:
         self.answers.forget(self.group)

@@ -135,7 +135,9 @@ class VllmServer:
                     await on_event(event)
 
         scope = {
-            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+            # ASGI spec 2.3: Starlette then watches receive() for the disconnect while it streams
+            # (with 2.4 it waits for a failed send, which in-process never comes).
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
             "method": method, "scheme": "http", "path": route, "raw_path": route.encode(),
             "root_path": "", "query_string": b"", "client": ("127.0.0.1", 0), "server": ("loopline", 0),
             "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],

@@ -43,6 +43,8 @@ class Worker:
         self.ack_wait_s = ack_wait_s
         self.max_deliver = max_deliver
         self.inflight: dict[str, Msg] = {}
+        # request id -> set when its client went away (subjects.cancel), for the requests being served.
+        self.gone: dict[str, asyncio.Event] = {}
         self.capacity_freed = asyncio.Event()
         self.served = 0
 
@@ -53,6 +55,7 @@ class Worker:
             subjects.inference_durable(self.deployment), stream=subjects.WORK_STREAM
         )
         keepalive = asyncio.create_task(self._keep_inflight_alive())
+        cancels = await self.nc.subscribe(subjects.CANCELS, cb=self._on_cancel)
         stopped_at = asyncio.get_running_loop().create_future()
         waking = asyncio.create_task(self._wake_on(stopping, stopped_at))
         try:
@@ -70,9 +73,16 @@ class Worker:
         finally:
             waking.cancel()
             keepalive.cancel()
+            with contextlib.suppress(Exception):
+                await cancels.unsubscribe()
             # What is still queued for this subscription would otherwise hold up the final drain.
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        gone = self.gone.get(msg.subject.partition(".")[2])
+        if gone is not None:
+            gone.set()
 
     async def _wake_on(self, stopping: asyncio.Event, stopped_at: asyncio.Future) -> None:
         """When ``stopping`` is set: note when, and wake the loop if it waits for capacity."""
@@ -196,7 +206,11 @@ class Worker:
                 await self.nc.publish(subject, stream_event(seq, stamp.apply(event) if stamp else event))
             seq += 1
 
-        answer = await self.server.call(item.route, body, on_event)
+        gone = self.gone[item.request_id] = asyncio.Event()
+        try:
+            answer = await self.server.call(item.route, body, on_event, gone=gone)
+        finally:
+            self.gone.pop(item.request_id, None)
         raw = b"".join(answer.events) if answer.streamed else answer.body
         if stamp is not None:
             raw = stamp.apply(raw)
