@@ -4,11 +4,12 @@ them, and nothing to anyone else (real nats-server)."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import nats
 
 from loopline.common import subjects
-from loopline.common.schemas import Choice, ResultItem
+from loopline.common.schemas import ResultItem
 from loopline.gateway.answers import Answers
 from loopline.gateway.submit import request_id
 from support.nats import nats_server
@@ -16,7 +17,8 @@ from support.nats import nats_server
 
 def result(group: str, index: int) -> ResultItem:
     return ResultItem(request_id=request_id(group, index), group=group, index=index, model="tiny",
-                      choices=[Choice(text="hi")], prompt_tokens=1, replica="r1", started_at=0.0)
+                      body=json.dumps({"choices": [{"index": 0, "text": "hi"}]}), prompt_tokens=1,
+                      completion_tokens=1, replica="r1", started_at=0.0)
 
 
 def test_answers_go_to_the_expecting_group_of_the_right_gateway_only(tmp_path):

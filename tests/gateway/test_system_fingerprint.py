@@ -1,78 +1,88 @@
-"""Which checkpoint answered: ``system_fingerprint`` = ``<job>@<step>`` in OpenAI responses (JSON
-and every SSE chunk) and ``adapter_step`` in ScalarLM results, built from the step the inference
-worker pinned (``ResultItem.adapter_step`` / ``TokenDelta.adapter_step``); absent for the base model.
+"""Which checkpoint answered: ``system_fingerprint`` = ``<job>@<step>`` in OpenAI answers and
+``adapter_step`` in ScalarLM results; neither for the base model.
 
-The response shaping is exercised directly (no NATS): what the routes send is exactly this."""
+The gateway relays vLLM's answers byte for byte, so the stamp is put on by the replica that pinned
+the version (loopline.inference.vllm_answers.VersionStamp, which worker.py applies to the JSON body
+and to each streamed event before they are published) and read back by the gateway's ScalarLM
+results. Both are exercised here directly, on answers written the way vLLM's server writes them:
+compact JSON (Starlette's JSONResponse), stream chunks with only the fields set (vLLM's
+``model_dump_json(exclude_unset=True)``, which leaves ``system_fingerprint`` out of every chunk but
+the terminal one). tests/inference/test_vllm_answers.py covers the stamp's edge cases (text that
+looks like the keys); the end-to-end tests (test_adapter_serving, test_adapter_under_load) check
+the same on real vLLM answers.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
-from loopline.common.schemas import Choice, ResultItem, TokenDelta
-from loopline.gateway.openai_api import _Shape
+from loopline.common.schemas import ResultItem
 from loopline.gateway.scalarlm_api import result_entry
 from loopline.gateway.submit import request_id
+from loopline.inference.vllm_answers import VersionStamp
 
 JOB = "ab" * 32
+SERVED_AS = f"{JOB}@7"  # the name the replica registered the pinned version under (adapters.py)
+VLLM_FINGERPRINT = "vllm-0.32.0-0123abcd"  # vLLM's own: its version and config hash
 
 
-def result(index: int, text: str, step: int | None) -> ResultItem:
-    return ResultItem(request_id=request_id("g", index), group="g", index=index, model=JOB,
-                      choices=[Choice(text=text, finish_reason="stop", completion_tokens=2)],
-                      adapter_step=step)
+def vllm_json(obj: dict) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-class FakeEvents:
-    """What _Shape.sse reads from: the events after the first one, and the results seen."""
-
-    def __init__(self, events: list, results: dict[int, ResultItem]):
-        self.events, self.results = list(events), results
-
-    async def next(self, timeout_s: float):
-        return self.events.pop(0)
-
-    async def close(self) -> None:
-        pass
+def completion(text: str, fingerprint: str | None = VLLM_FINGERPRINT) -> dict:
+    return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": SERVED_AS,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2},
+            "system_fingerprint": fingerprint}
 
 
-def sse_objects(shape: _Shape, first, rest: list, results: dict, ids: list[str]) -> list[dict]:
-    async def go():
-        return [chunk async for chunk in shape.sse(FakeEvents(rest, results), first, ids, True)]
-
-    chunks = asyncio.run(go())
-    assert chunks[-1] == "data: [DONE]\n\n"
-    return [json.loads(c[len("data: "):]) for c in chunks[:-1]]
-
-
-def test_json_responses_name_the_version_and_the_base_model_has_none():
-    for chat in (False, True):
-        shape = _Shape(chat=chat, model="latest", id="x", n=1, adapter=JOB)
-        assert shape.response([result(0, " hi", 7)])["system_fingerprint"] == f"{JOB}@7"
-        base = _Shape(chat=chat, model="tiny", id="x", n=1)
-        assert "system_fingerprint" not in base.response([result(0, " hi", None)])
-    # Several prompts in one completions request may be pinned to different versions.
-    shape = _Shape(chat=False, model=JOB, id="x", n=1, adapter=JOB)
-    both = shape.response([result(0, "a", 9), result(1, "b", 8)])
-    assert both["system_fingerprint"] == f"{JOB}@8,{JOB}@9"
+def chat(text: str) -> dict:
+    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": SERVED_AS,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2},
+            "system_fingerprint": VLLM_FINGERPRINT}
 
 
-def test_every_sse_chunk_names_the_version():
-    for chat in (False, True):
-        shape = _Shape(chat=chat, model=JOB, id="x", n=1, adapter=JOB)
-        done = result(0, " hi there", 3)
-        first = TokenDelta(request_id="g_000000000", text=" hi", tokens=1, adapter_step=3)
-        rest = [TokenDelta(request_id="g_000000000", text=" there", tokens=2, adapter_step=3), done]
-        objects = sse_objects(shape, first, rest, {0: done}, ["g_000000000"])
-        assert len(objects) >= 3 and all(o["system_fingerprint"] == f"{JOB}@3" for o in objects)
+def test_json_answers_name_the_version_and_the_model_the_client_asked_for():
+    stamp = VersionStamp(SERVED_AS, "latest", f"{JOB}@7")
+    for answer in (completion(" hi"), chat("hi"), completion(" hi", fingerprint=None)):
+        stamped = json.loads(stamp.apply(vllm_json(answer)))
+        assert stamped["system_fingerprint"] == f"{JOB}@7"
+        assert stamped["model"] == "latest"
+        # Nothing else moved.
+        assert {k: v for k, v in stamped.items() if k not in ("model", "system_fingerprint")} == {
+            k: v for k, v in answer.items() if k not in ("model", "system_fingerprint")}
 
-        base = _Shape(chat=chat, model="tiny", id="x", n=1)
-        plain = result(0, " hi", None)
-        objects = sse_objects(base, plain, [], {0: plain}, ["g_000000000"])
-        assert objects and all("system_fingerprint" not in o for o in objects)
+
+def test_stream_chunks_carry_the_client_model_and_the_terminal_one_the_version():
+    stamp = VersionStamp(SERVED_AS, JOB, f"{JOB}@3")
+    chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": SERVED_AS}
+    events = [
+        {**chunk, "choices": [{"index": 0, "text": " hi", "logprobs": None, "finish_reason": None}]},
+        {**chunk, "choices": [{"index": 0, "text": " there", "logprobs": None, "finish_reason": "length"}],
+         "system_fingerprint": VLLM_FINGERPRINT},
+    ]
+    raw = [b"data: %s\n\n" % vllm_json(e) for e in events] + [b"data: [DONE]\n\n"]
+    stamped = [stamp.apply(e) for e in raw]
+    assert stamped[-1] == b"data: [DONE]\n\n"
+    objects = [json.loads(e[len(b"data: "):]) for e in stamped[:-1]]
+    assert all(o["model"] == JOB for o in objects)
+    # vLLM names a fingerprint on the terminal chunk only; where it does, it is the version's.
+    assert "system_fingerprint" not in objects[0]
+    assert objects[-1]["system_fingerprint"] == f"{JOB}@3"
+    # The transcript stamped whole (the stored result) equals the events stamped one by one.
+    assert stamp.apply(b"".join(raw)) == b"".join(stamped)
+
+
+def result(text: str, step: int | None) -> ResultItem:
+    return ResultItem(request_id=request_id("g", 0), group="g", index=0, model=JOB,
+                      body=vllm_json(completion(text)).decode(), completion_tokens=2, adapter_step=step)
 
 
 def test_scalarlm_results_carry_the_step_only_for_adapters():
-    entry = result_entry("g_000000000", result(0, " hi", 5))
+    entry = result_entry("g_000000000", result(" hi", 5))
     assert entry["adapter_step"] == 5 and entry["response"] == " hi" and entry["error"] is None
-    assert "adapter_step" not in result_entry("g_000000000", result(0, " hi", None))
+    assert entry["token_count"] == 2
+    assert "adapter_step" not in result_entry("g_000000000", result(" hi", None))

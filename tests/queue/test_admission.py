@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 from loopline.common import bus, subjects
-from loopline.common.schemas import DeploymentInfo, QueueState, SamplingParams, WorkItem
+from loopline.common.schemas import DeploymentInfo, QueueState, WorkItem
 
 
 async def test_queue_state_reports_pending_and_in_flight(nc, js, start_queue, eventually):
@@ -11,7 +13,7 @@ async def test_queue_state_reports_pending_and_in_flight(nc, js, start_queue, ev
 
     models = await js.key_value(subjects.MODELS_BUCKET)
     for dep in ("busy", "idle"):
-        info = DeploymentInfo(model=f"model-{dep}", deployment=dep, max_model_len=256, engine="reference")
+        info = DeploymentInfo(model=f"model-{dep}", deployment=dep, max_model_len=256, engine="vllm")
         await models.put(dep, info.model_dump_json().encode())
     # Only "busy" has a replica (hence a work consumer); "idle" must still be reported, as empty.
     await bus.ensure_work_consumer(js, "busy", ack_wait_s=30, max_deliver=5)
@@ -29,8 +31,8 @@ async def test_queue_state_reports_pending_and_in_flight(nc, js, start_queue, ev
             group="g",
             index=i,
             model="model-busy",
-            prompt="hi",
-            sampling=SamplingParams(max_tokens=2),
+            route="/v1/completions",
+            body=json.dumps({"model": "model-busy", "prompt": "hi", "max_tokens": 2}),
         )
         await bus.publish_durable(
             js, subjects.work("busy"), item.model_dump_json().encode(), msg_id=item.request_id

@@ -14,15 +14,14 @@ from sqlalchemy.orm import Session
 from loopline.common import bus, subjects
 from loopline.common.db.engine import open_database
 from loopline.common.db.rows import DeadLetterRow, RequestRow
-from loopline.common.schemas import Choice, ResultItem, SamplingParams, WorkItem
+from loopline.common.schemas import ResultItem, WorkItem
 
 
 async def test_exhausted_deliveries_fail_the_request(nc, js, start_queue, eventually, tmp_path):
     await start_queue()
     await bus.ensure_work_consumer(js, "flaky", ack_wait_s=1, max_deliver=2)
-    item = WorkItem(
-        request_id="dl_0", group="dl", index=0, model="m", prompt="hi", sampling=SamplingParams(max_tokens=2)
-    )
+    item = WorkItem(request_id="dl_0", group="dl", index=0, model="m", route="/v1/completions",
+                    body=json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2}))
     await bus.publish_durable(
         js, subjects.work("flaky"), item.model_dump_json().encode(), msg_id=item.request_id
     )
@@ -60,6 +59,8 @@ async def test_exhausted_deliveries_fail_the_request(nc, js, start_queue, eventu
     assert res.request_id == "dl_0"
     assert res.error is not None and res.error.status == 503 and res.error.type == "server_error"
     assert "dl_0" in res.error.message and "after 2 deliveries" in res.error.message
+    # The client waiting on it gets that status and OpenAI's error body.
+    assert res.status == 503 and json.loads(res.text())["error"]["code"] == 503
 
     engine = open_database(f"sqlite:///{tmp_path / 'loopline.db'}")
     try:
@@ -112,7 +113,8 @@ async def test_exhausted_deliveries_fail_the_request(nc, js, start_queue, eventu
         engine.dispose()
 
     # The replica's late answer is deduplicated against the failure: the client keeps one answer.
-    late = ResultItem(request_id="dl_0", group="dl", index=0, model="m", choices=[Choice(text="late")])
+    late = ResultItem(request_id="dl_0", group="dl", index=0, model="m",
+                      body=json.dumps({"choices": [{"index": 0, "text": "late"}]}))
     ack = await js.publish(
         subjects.result("dl", 0), late.model_dump_json().encode(), headers={"Nats-Msg-Id": "dl_0"}
     )
@@ -125,8 +127,8 @@ async def test_exhausted_deliveries_fail_the_request(nc, js, start_queue, eventu
 async def test_dead_letter_announced_while_the_queue_is_down_is_handled_later(js, start_queue, eventually):
     await bus.ensure_topology(js)
     await bus.ensure_work_consumer(js, "down", ack_wait_s=1, max_deliver=1)
-    item = WorkItem(request_id="dd_0", group="dd", index=0, model="m", prompt="hi",
-                    sampling=SamplingParams(max_tokens=2))
+    item = WorkItem(request_id="dd_0", group="dd", index=0, model="m", route="/v1/completions",
+                    body=json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2}))
     await bus.publish_durable(js, subjects.work("down"), item.model_dump_json().encode(), msg_id="dd_0")
     replica = await js.pull_subscribe_bind(subjects.inference_durable("down"), subjects.WORK_STREAM)
     await replica.fetch(1, timeout=2)  # taken and never answered

@@ -11,12 +11,10 @@ from loopline.common import bus, subjects
 from loopline.common.db.engine import open_database
 from loopline.common.db.rows import RequestRow
 from loopline.common.schemas import (
-    Choice,
     ClearQueueReply,
     DeploymentInfo,
     ErrorInfo,
     ResultItem,
-    SamplingParams,
     ServiceStatus,
     WorkItem,
 )
@@ -29,21 +27,23 @@ def work(group: str, index: int, at: float | None = None) -> WorkItem:
         group=group,
         index=index,
         model="m",
-        prompt="hi",
-        sampling=SamplingParams(max_tokens=8),
+        route="/v1/completions",
+        body=json.dumps({"model": "m", "prompt": "hi", "max_tokens": 8}),
         **extra,
     )
 
 
 def result(item: WorkItem, tokens: int = 0, error: bool = False, finished: float | None = None) -> ResultItem:
     extra = {"finished_at": finished} if finished is not None else {}
+    if error:
+        return ResultItem.failure(item, ErrorInfo(status=500, message="boom")).model_copy(update=extra)
     return ResultItem(
         request_id=item.request_id,
         group=item.group,
         index=item.index,
         model=item.model,
-        choices=[] if error else [Choice(text="z", completion_tokens=tokens)],
-        error=ErrorInfo(status=500, message="boom") if error else None,
+        body=json.dumps({"choices": [{"index": 0, "text": "z"}]}),
+        completion_tokens=tokens,
         **extra,
     )
 
@@ -51,7 +51,7 @@ def result(item: WorkItem, tokens: int = 0, error: bool = False, finished: float
 async def deploy(js, deployment: str) -> None:
     """What an inference replica does when it starts: announce the model, create the consumer."""
     models = await js.key_value(subjects.MODELS_BUCKET)
-    info = DeploymentInfo(model="m", deployment=deployment, max_model_len=128, engine="reference")
+    info = DeploymentInfo(model="m", deployment=deployment, max_model_len=128, engine="vllm")
     await models.put(deployment, info.model_dump_json().encode())
     await bus.ensure_work_consumer(js, deployment, ack_wait_s=30, max_deliver=5)
 
@@ -113,6 +113,9 @@ async def test_clear_queue_cancels_what_is_queued(nc, js, start_queue, eventuall
         assert cancelled.request_id == f"c_{index}"
         assert (cancelled.error.status, cancelled.error.type) == (410, "cancelled")
         assert "clear_queue" in cancelled.error.message
+        # What a client waiting on it gets: the status and OpenAI's error body.
+        assert cancelled.status == 410
+        assert json.loads(cancelled.text())["error"]["type"] == "cancelled"
     kept = ResultItem.model_validate_json(
         (await js.get_last_msg(subjects.RESULTS_STREAM, subjects.result("c", 0))).data
     )

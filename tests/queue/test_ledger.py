@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from loopline.common.db.engine import migrate, open_database
 from loopline.common.db.rows import BatchRow, DeadLetterRow, RequestRow
-from loopline.common.schemas import Choice, ErrorInfo, ResultItem, SamplingParams, WorkItem
+from loopline.common.schemas import ErrorInfo, ResultItem, WorkItem
 from loopline.queue import ledger
 from loopline.queue.records import DeadLetter
 
@@ -18,8 +20,8 @@ def work(group: str, index: int, at: float = 100.0, request_id: str | None = Non
         group=group,
         index=index,
         model="tiny",
-        prompt="hello",
-        sampling=SamplingParams(max_tokens=4),
+        route="/v1/completions",
+        body=json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 4}),
         submitted_at=at,
     )
 
@@ -32,17 +34,21 @@ def result(
     error: str | None = None,
     request_id: str | None = None,
 ) -> ResultItem:
+    failure = ErrorInfo(status=500, message=error) if error else None
+    answer = json.dumps({"choices": [{"index": 0, "text": "x" * tokens}]})
     return ResultItem(
         request_id=request_id or f"{group}_{index}",
         group=group,
         index=index,
         model="tiny",
-        choices=[] if error else [Choice(text="x" * tokens, completion_tokens=tokens)],
+        status=failure.status if failure else 200,
+        body=failure.openai_body() if failure else answer,
         prompt_tokens=2,
+        completion_tokens=0 if error else tokens,
         replica="r1",
         started_at=105.0,
         finished_at=finished,
-        error=ErrorInfo(status=500, message=error) if error else None,
+        error=failure,
     )
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from loopline.common import bus, launcher, subjects
 from loopline.common.db.engine import open_database
 from loopline.common.db.rows import BatchRow, RequestRow
-from loopline.common.schemas import Choice, ErrorInfo, ResultItem, SamplingParams, WorkItem
+from loopline.common.schemas import ErrorInfo, ResultItem, WorkItem
 
 
 def work(group: str, index: int, request_id: str | None = None) -> WorkItem:
@@ -17,21 +19,23 @@ def work(group: str, index: int, request_id: str | None = None) -> WorkItem:
         group=group,
         index=index,
         model="tiny",
-        prompt="hi",
-        sampling=SamplingParams(max_tokens=4),
+        route="/v1/completions",
+        body=json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4}),
     )
 
 
 def result(item: WorkItem, tokens: int = 0, error: str | None = None) -> ResultItem:
+    if error:
+        return ResultItem.failure(item, ErrorInfo(status=500, message=error), replica="replica-a")
     return ResultItem(
         request_id=item.request_id,
         group=item.group,
         index=item.index,
         model=item.model,
-        choices=[] if error else [Choice(text="y" * tokens, completion_tokens=tokens)],
+        body=json.dumps({"choices": [{"index": 0, "text": "y" * tokens}]}),
         prompt_tokens=3,
+        completion_tokens=tokens,
         replica="replica-a",
-        error=ErrorInfo(status=500, message=error) if error else None,
     )
 
 
