@@ -35,8 +35,7 @@ def test_up_starts_everything_and_ctrl_c_leaves_nothing_behind(tmp_path):
     port = free_port()
     env = {**os.environ, "LOOPLINE_MODEL": tiny_model(), "LOOPLINE_STATE_DIR": str(state),
            "LOOPLINE_MODELS_DIR": str(MODELS_DIR), "LOOPLINE_PORT": str(port),
-           "LOOPLINE_NATS_PORT": str(free_port()), "LOOPLINE_NATS_MONITOR_PORT": str(free_port()),
-           "LOOPLINE_ENGINE": "reference"}
+           "LOOPLINE_NATS_PORT": str(free_port()), "LOOPLINE_NATS_MONITOR_PORT": str(free_port())}
     up = subprocess.Popen([sys.executable, "-m", "loopline.common.up"], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     try:
