@@ -229,5 +229,10 @@ class StackSettings(CommonSettings):
     port: int = Field(default=8000, description="The gateway's HTTP port.")
     nats_port: int = Field(default=4222, description="The embedded nats-server's client port.")
     nats_monitor_port: int = Field(default=8222, description="The embedded nats-server's monitoring port.")
-    model: str = Field(default=DEFAULT_MODEL, description="the model `make up` prepares and serves")
-    inference_replicas: int = Field(default=1, description="Inference processes to start.")
+    model: str = Field(default=DEFAULT_MODEL, description=(
+        "the models `make up` prepares and serves, comma-separated (`tiny,tiny-embed`): a deployment "
+        "each, the first the default; `LOOPLINE_<SETTING>__<MODEL KEY>` sets an inference setting "
+        "for one of them (`LOOPLINE_VLLM_ARGS__TINY_EMBED`; the key: the model in upper case, other "
+        "characters `_`)"))
+    inference_replicas: int = Field(default=1, description=(
+        "Inference processes to start per model (`LOOPLINE_INFERENCE_REPLICAS__<MODEL KEY>` for one)."))

@@ -3,15 +3,95 @@ gateway as processes.
 
 ``make up``, the end-to-end tests and the benchmarks all start Loopline through this class, so they
 exercise the same start-up path users run.
+
+Several deployments: ``LOOPLINE_MODEL`` may name several models, comma-separated (``tiny,tiny-embed``).
+Each is a deployment of its own (its replicas, its WORK subject, its entry in ``/v1/models``); every
+inference replica still serves exactly one model. A setting for one deployment only is the replica's
+variable with ``__<MODEL KEY>`` appended, the key being the model's name in upper case with every run of
+other characters one ``_`` (``model_key``): ``LOOPLINE_VLLM_ARGS__TINY_EMBED``,
+``LOOPLINE_ADAPTERS__TINY_EMBED``, ``LOOPLINE_INFERENCE_REPLICAS__TINY_EMBED``. Without the suffix a
+setting applies to every deployment. The gateway's default model and the trainer's are the first one.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import subprocess
 import sys
+import time
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from loopline.common import launcher
+
+# ``LOOPLINE_<SETTING>__<MODEL KEY>``: a model key never holds two underscores in a row, so the last
+# ``__`` of a variable is where its model key starts.
+KEY_SEPARATOR = "__"
+REPLICAS_VARIABLE = "LOOPLINE_INFERENCE_REPLICAS"
+SERVED_NAME_VARIABLE = "LOOPLINE_SERVED_MODEL_NAME"
+
+
+def model_key(model: str) -> str:
+    """How per-deployment variables name ``model``: ``tiny-embed`` -> ``TINY_EMBED``,
+    ``HuggingFaceTB/SmolLM2-135M-Instruct`` -> ``HUGGINGFACETB_SMOLLM2_135M_INSTRUCT``."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", model).strip("_").upper()
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One model the stack serves: its replicas, and the settings only they get."""
+
+    model: str  # one entry of LOOPLINE_MODEL: a name the replica resolves, or a folder
+    key: str  # model_key(model)
+    served_name: str  # the name clients use: LOOPLINE_SERVED_MODEL_NAME, else the model
+    replicas: int
+    env: dict[str, str]  # LOOPLINE_* variables (suffix removed) for this deployment's replicas
+
+
+def plan_deployments(models: str, replicas: int, environ: Mapping[str, str]) -> list[Deployment]:
+    """The deployments ``models`` (LOOPLINE_MODEL) names, each with ``replicas`` replicas unless its
+    own variables in ``environ`` say otherwise. Refuses what would start a stack other than the one
+    asked for: no model, two models with one key, a per-deployment variable for no model."""
+    names = [name.strip() for name in models.split(",") if name.strip()]
+    if not names:
+        raise ValueError("LOOPLINE_MODEL names no model")
+    by_key: dict[str, str] = {}
+    for name in names:
+        key = model_key(name)
+        if key in by_key:
+            raise ValueError(f"LOOPLINE_MODEL names {by_key[key]!r} and {name!r}, which share the key "
+                             f"{key!r} of their per-deployment variables: give one a folder of another name")
+        by_key[key] = name
+    own: dict[str, dict[str, str]] = {key: {} for key in by_key}
+    for variable, value in environ.items():
+        setting, separator, key = variable.rpartition(KEY_SEPARATOR)
+        if not separator or not setting.startswith("LOOPLINE_"):
+            continue
+        if key not in own:
+            raise ValueError(f"{variable} is for the model key {key!r}, but LOOPLINE_MODEL has "
+                             f"{', '.join(f'{n} ({k})' for k, n in by_key.items())}")
+        if setting == "LOOPLINE_MODEL":
+            raise ValueError(f"{variable}: a deployment's model is its entry in LOOPLINE_MODEL")
+        own[key][setting] = value
+    if len(names) > 1 and SERVED_NAME_VARIABLE in environ:
+        raise ValueError(f"{SERVED_NAME_VARIABLE} would give {len(names)} models one name: set it per "
+                         f"model ({SERVED_NAME_VARIABLE}__<MODEL KEY>)")
+    deployments = []
+    for key, name in by_key.items():
+        env = own[key]
+        count = env.pop(REPLICAS_VARIABLE, None)
+        if count is not None and not count.strip().isdigit():
+            raise ValueError(f"{REPLICAS_VARIABLE}{KEY_SEPARATOR}{key}={count!r}: not a number of replicas")
+        served_name = env.get(SERVED_NAME_VARIABLE) or environ.get(SERVED_NAME_VARIABLE) or name
+        deployments.append(Deployment(name, key, served_name, replicas if count is None else int(count), env))
+    served = [d.served_name for d in deployments]
+    if len(set(served)) < len(served):
+        raise ValueError(f"two deployments would be served under one name: {', '.join(served)}")
+    return deployments
 
 
 class LocalStack:
@@ -27,6 +107,8 @@ class LocalStack:
         self.nats_monitor_port = nats_monitor_port or launcher.free_port()
         self.replicas = replicas
         self.extra_env = env or {}
+        # Per-deployment variables come from the stack's environment as much as from ``env``.
+        self.deployments = plan_deployments(model, replicas, {**os.environ, **self.extra_env})
         self.nats: launcher.Proc | None = None
         self.queue: launcher.Proc | None = None
         self.trainer: launcher.Proc | None = None
@@ -50,11 +132,17 @@ class LocalStack:
     def jobs_dir(self) -> Path:
         return self.state_dir / "jobs"
 
+    @property
+    def default_model(self) -> str:
+        """What a request that names no model gets: the first deployment's served name."""
+        return self.deployments[0].served_name
+
     def env(self) -> dict[str, str]:
+        """What every service gets; the trainer's model is the first deployment's."""
         return {
             "LOOPLINE_NATS_URL": self.nats_url,
             "LOOPLINE_STATE_DIR": str(self.state_dir),
-            "LOOPLINE_MODEL": self.model,
+            "LOOPLINE_MODEL": self.deployments[0].model,
             "LOOPLINE_MODELS_DIR": str(self.models_dir),
             "LOOPLINE_HOST": self.host,
             "LOOPLINE_PORT": str(self.port),
@@ -63,32 +151,70 @@ class LocalStack:
             **self.extra_env,
         }
 
-    def prepare_model(self) -> str:
-        """Resolve the model once up front, so replicas started together do not all convert it."""
+    def gateway_env(self) -> dict[str, str]:
+        return {**self.env(), "LOOPLINE_MODEL": self.default_model}
+
+    def replica_env(self, deployment: Deployment) -> dict[str, str]:
+        return {**self.env(), "LOOPLINE_MODEL": deployment.model, **deployment.env}
+
+    def prepare_model(self, model: str | None = None) -> str:
+        """Resolve a model (the first deployment's by default) once up front, so replicas started
+        together do not all convert it; its folder."""
         out = subprocess.run(
-            [sys.executable, "-m", "loopline.ml.models", self.model,
+            [sys.executable, "-m", "loopline.ml.models", model or self.deployments[0].model,
              "--models-dir", str(self.models_dir)],
             check=True, stdout=subprocess.PIPE, text=True,
         )
         return out.stdout.strip().splitlines()[-1]
 
+    def replica_names(self, deployment: Deployment) -> list[str]:
+        """``r0``, ``r1``… with one deployment; ``<model key>-r0``… with several (``tiny-embed-r0``)."""
+        prefix = f"{deployment.key.lower().replace('_', '-')}-" if len(self.deployments) > 1 else ""
+        return [f"{prefix}r{i}" for i in range(deployment.replicas)]
+
     def start(self, *, ready_timeout_s: float = 600) -> LocalStack:
         try:
-            self.prepare_model()
+            for deployment in self.deployments:
+                self.prepare_model(deployment.model)
             self.start_nats()
             self.queue = launcher.start_service("queue", self.env(), self.logs / "queue.log")
             self.trainer = launcher.start_service("trainer", self.env(), self.logs / "trainer.log")
             # Publishes the checkpoints the trainer's jobs write (same LOOPLINE_JOBS_DIR).
             self.checkpoint_watcher = launcher.start_service("checkpoint-watcher", self.env(),
                                                              self.logs / "checkpoint-watcher.log")
-            for i in range(self.replicas):
-                self.start_replica(f"r{i}")
-            self.gateway = launcher.start_service("gateway", self.env(), self.logs / "gateway.log")
+            for deployment in self.deployments:
+                for name in self.replica_names(deployment):
+                    self.start_replica(name, deployment)
+            self.gateway = launcher.start_service("gateway", self.gateway_env(), self.logs / "gateway.log")
+            deadline = time.monotonic() + ready_timeout_s
             launcher.wait_gateway_ready(self.gateway, self.url, timeout_s=ready_timeout_s)
+            self.wait_deployments_served(deadline)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def wait_deployments_served(self, deadline: float) -> None:
+        """Wait until a replica of every deployment answers (the gateway is ready at the first):
+        /v1/health lists each replica that answered with the model it serves."""
+        expected = {d.served_name for d in self.deployments}
+        served: set[str] = set()
+        # Invariant: every process is alive and some deployment has had no replica answer yet.
+        while True:
+            if dead := self.dead():
+                raise RuntimeError(f"{dead[0].name} exited with {dead[0].popen.returncode}:\n"
+                                   f"{dead[0].log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/v1/health", timeout=2) as resp:
+                    replicas = json.loads(resp.read()).get("services", {}).get("vllm", [])
+                served = {r.get("model") for r in replicas}
+                if expected <= served:
+                    return
+            except OSError:
+                pass  # the gateway is busy; ask again
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no replica of {', '.join(sorted(expected - served))} answered")
+            time.sleep(0.2)
 
     def start_nats(self) -> launcher.Proc:
         self.nats = launcher.start_nats(self.state_dir / "nats", self.nats_port, self.nats_monitor_port,
@@ -100,9 +226,10 @@ class LocalStack:
         launcher.stop(self.nats)
         self.start_nats()
 
-    def start_replica(self, name: str) -> launcher.Proc:
-        proc = launcher.start_service("inference", self.env(), self.logs / f"inference-{name}.log",
-                                      replica=name)
+    def start_replica(self, name: str, deployment: Deployment | None = None) -> launcher.Proc:
+        """Start one replica of ``deployment`` (the first by default) named ``name``."""
+        env = self.replica_env(deployment or self.deployments[0])
+        proc = launcher.start_service("inference", env, self.logs / f"inference-{name}.log", replica=name)
         self.inference[name] = proc
         return proc
 

@@ -4,7 +4,8 @@ Starts a local nats-server with JetStream, the queue, trainer and checkpoint-wat
 inference replicas and the gateway, each as its own process, waits until the gateway serves, prints
 the URL, and on Ctrl-C (or SIGTERM) stops everything it started. Training jobs go to Slurm when its
 controller answers, else to a local process per job; their directories are under
-``<state dir>/jobs``, where the checkpoint-watcher picks up their checkpoints.
+``<state dir>/jobs``, where the checkpoint-watcher picks up their checkpoints. ``LOOPLINE_MODEL`` may
+name several models, each a deployment of its own (stack.py says how to set one deployment's flags).
 """
 
 from __future__ import annotations
@@ -19,16 +20,22 @@ from loopline.common.stack import LocalStack
 
 def main() -> int:
     settings = StackSettings()
-    stack = LocalStack(settings.state_dir, settings.model, host=settings.host, port=settings.port,
-                       nats_port=settings.nats_port, nats_monitor_port=settings.nats_monitor_port,
-                       replicas=settings.inference_replicas)
+    try:
+        stack = LocalStack(settings.state_dir, settings.model, host=settings.host, port=settings.port,
+                           nats_port=settings.nats_port, nats_monitor_port=settings.nats_monitor_port,
+                           replicas=settings.inference_replicas)
+    except ValueError as exc:  # the models and their per-deployment settings do not fit together
+        print(f"loopline up: {exc}", file=sys.stderr)
+        return 2
 
     def interrupt(*_args) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
     try:
-        print(f"starting Loopline with {settings.model} (first start prepares the model; logs in "
+        served = ", ".join(f"{d.served_name} ({d.replicas} replica{'s' * (d.replicas != 1)})"
+                           for d in stack.deployments)
+        print(f"starting Loopline with {served} (first start prepares the model; logs in "
               f"{stack.logs}) …", flush=True)
         stack.start()
         print(f"\nLoopline is up: {stack.url}   (Ctrl-C stops everything)\n", flush=True)
