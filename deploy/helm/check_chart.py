@@ -43,7 +43,8 @@ GOOD: dict[str, dict] = {
                         "tls": [{"secretName": "loopline-tls", "hosts": ["loopline.example.com"]}]},
         },
         "inference": {
-            "gpus": 2, "replicas": 3, "maxModelLen": 2048, "servedModelName": "smol",
+            "gpus": 2, "replicas": 3, "maxModelLen": 2048,
+            "deployments": [{"name": "", "servedModelName": "smol"}],
             "extraEnv": [{"name": "HF_TOKEN",
                           "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}],
             "nodeSelector": {"nvidia.com/gpu.present": "true"},
@@ -76,12 +77,24 @@ GOOD: dict[str, dict] = {
     "training without slurm (local launcher)": {"slurm": {"enabled": False}, "trainer": {"gpus": 1}},
     "serving only": {"trainer": {"enabled": False}, "checkpointWatcher": {"enabled": False},
                      "slurm": {"enabled": False}},
+    "several deployments, each its own settings": {
+        "inference": {"vllmArgs": "--seed 1", "deployments": [
+            {"name": "chat", "model": "HuggingFaceTB/SmolLM2-135M-Instruct", "servedModelName": "smol",
+             "gpus": 1, "vllmArgs": "--enable-auto-tool-choice --tool-call-parser hermes"},
+            {"name": "", "model": "BAAI/bge-small-en-v1.5", "replicas": 2, "adapters": False,
+             "env": {"LOOPLINE_MAX_DELIVER": 3}, "nodeSelector": {"pool": "cpu"}},
+        ]},
+    },
 }
 
 # name -> values that must be refused (by the schema or by a template's `required`)
 BAD: dict[str, dict] = {
     "unknown key": {"inference": {"gpu": 1}},
-    "unknown engine": {"inference": {"engine": "tgi"}},
+    "no deployment": {"inference": {"deployments": []}},
+    "two deployments with one name": {"inference": {"deployments": [{"name": "a"}, {"name": "a"}]}},
+    "two deployments without a name": {"inference": {"deployments": [{"model": "a"}, {"model": "b"}]}},
+    "deployment name that is no DNS label": {"inference": {"deployments": [{"name": "Chat_1"}]}},
+    "unknown key in a deployment": {"inference": {"deployments": [{"name": "", "image": {}}]}},
     "negative replicas": {"gateway": {"replicas": -1}},
     "external nats without url": {"nats": {"enabled": False}},
     "external postgres without url": {"postgres": {"enabled": False}},

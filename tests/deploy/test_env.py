@@ -165,7 +165,10 @@ def test_kubernetes_variable_references_are_defined_before(containers, source):
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_services_agree_with_each_other(containers, source):
-    by_name = {c.name: _effective(c) for c in containers[source]}
+    by_name: dict[str, dict[str, str | None]] = {}
+    for container in containers[source]:
+        # Of several inference deployments the first is the default, the one the others agree with.
+        by_name.setdefault(container.name, _effective(container))
     gateway, inference, trainer = by_name["gateway"], by_name["inference"], by_name["trainer"]
     served = inference.get("LOOPLINE_SERVED_MODEL_NAME") or inference["LOOPLINE_MODEL"]
     assert gateway["LOOPLINE_MODEL"] == served, "the gateway's default model is not the one served"

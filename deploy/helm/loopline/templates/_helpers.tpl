@@ -58,6 +58,16 @@ The tag falls back to image.tag, then to the chart's appVersion.
 {{- end -}}
 {{- end -}}
 
+{{/* The first deployment's model (the trainer's default base model) and the name it is served under
+(the gateway's default model). */}}
+{{- define "loopline.defaultModel" -}}
+{{- (first .Values.inference.deployments).model | default .Values.model -}}
+{{- end -}}
+
+{{- define "loopline.defaultServedModel" -}}
+{{- (first .Values.inference.deployments).servedModelName | default (include "loopline.defaultModel" .) -}}
+{{- end -}}
+
 {{- define "loopline.natsUrl" -}}
 {{- if .Values.nats.enabled -}}
 {{- printf "nats://%s:4222" (include "loopline.componentName" (dict "root" . "component" "nats")) -}}
