@@ -60,6 +60,7 @@ def plan_deployments(models: str, replicas: int, environ: Mapping[str, str]) -> 
     if not names:
         raise ValueError("LOOPLINE_MODEL names no model")
     by_key: dict[str, str] = {}
+    # Invariant: by_key maps the key of every model seen so far to it, and no two share a key.
     for name in names:
         key = model_key(name)
         if key in by_key:
@@ -67,6 +68,7 @@ def plan_deployments(models: str, replicas: int, environ: Mapping[str, str]) -> 
                              f"{key!r} of their per-deployment variables: give one a folder of another name")
         by_key[key] = name
     own: dict[str, dict[str, str]] = {key: {} for key in by_key}
+    # Invariant: every suffixed Loopline variable seen so far names a model and sits in its ``own``.
     for variable, value in environ.items():
         setting, separator, key = variable.rpartition(KEY_SEPARATOR)
         if not separator or not setting.startswith("LOOPLINE_"):
@@ -81,6 +83,7 @@ def plan_deployments(models: str, replicas: int, environ: Mapping[str, str]) -> 
         raise ValueError(f"{SERVED_NAME_VARIABLE} would give {len(names)} models one name: set it per "
                          f"model ({SERVED_NAME_VARIABLE}__<MODEL KEY>)")
     deployments = []
+    # Invariant: deployments holds the models before this one, in LOOPLINE_MODEL's order.
     for key, name in by_key.items():
         env = own[key]
         count = env.pop(REPLICAS_VARIABLE, None)
