@@ -20,7 +20,7 @@ def test_embedding_deployment_beside_the_generation_model(tools, monkeypatch):
         assert second[key] == first[key], key
     env = second["environment"]
     assert env["LOOPLINE_MODEL"] == "BAAI/bge-small-en-v1.5" != first["environment"]["LOOPLINE_MODEL"]
-    assert (env["LOOPLINE_ADAPTERS"], env["LOOPLINE_VLLM_ARGS"]) == ("false", "--no-enable-prefix-caching")
+    assert (env["LOOPLINE_ADAPTERS"], env["LOOPLINE_VLLM_ARGS"]) == ("false", "--max-model-len 512")
     assert env["LOOPLINE_NATS_URL"] == first["environment"]["LOOPLINE_NATS_URL"]
     assert services["gateway"]["environment"]["LOOPLINE_MODEL"] == first["environment"]["LOOPLINE_MODEL"]
 

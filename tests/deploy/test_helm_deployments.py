@@ -46,7 +46,7 @@ def test_gpu_values_serve_a_generation_and_an_embedding_model(charts):
     assert chat["env"]["LOOPLINE_VLLM_ARGS"] == "--enable-auto-tool-choice --tool-call-parser hermes"
     assert chat["env"]["LOOPLINE_ADAPTERS"] == "true"
     assert embed["env"]["LOOPLINE_MODEL"] == "BAAI/bge-small-en-v1.5"
-    assert embed["env"]["LOOPLINE_VLLM_ARGS"] == "--no-enable-prefix-caching"
+    assert embed["env"]["LOOPLINE_VLLM_ARGS"] == "--max-model-len 512"
     assert embed["env"]["LOOPLINE_ADAPTERS"] == "false"
     # What the entry leaves out is the inference-level value: GPUs, the secret, the node pool.
     for deployment in (chat, embed):

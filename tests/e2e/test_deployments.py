@@ -20,12 +20,10 @@ pytestmark = pytest.mark.timeout(900)
 
 CHAT, EMBED = "tiny", "tiny-embed"
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "What is the capital of France?"]
-# The embedding deployment's own settings (stack.py: LOOPLINE_<SETTING>__<MODEL KEY>): nothing
-# trains it, so no adapters and no LoRA buffers in its engine; and no prefix caching, which the
-# replica's flags ask for and an encoder-only model cannot have (vLLM's engine core then fails to
-# start: "HybridKVCacheCoordinator requires at least one cacheable group").
-EMBED_ENV = {"LOOPLINE_ADAPTERS__TINY_EMBED": "false",
-             "LOOPLINE_VLLM_ARGS__TINY_EMBED": "--no-enable-prefix-caching"}
+# The embedding deployment's own setting (stack.py: LOOPLINE_<SETTING>__<MODEL KEY>): nothing
+# trains it, so no adapters and no LoRA buffers in its engine. No vLLM flag is needed: the
+# replica's flags leave prefix caching to vLLM, which knows an encoder-only model has none.
+EMBED_ENV = {"LOOPLINE_ADAPTERS__TINY_EMBED": "false"}
 
 
 @pytest.fixture(scope="module")

@@ -49,8 +49,10 @@ def serve_flags(model_path: str, *, served_name: str, max_inflight: int, dtype: 
         # gibberish; transformers in bf16 and vLLM in fp32 both answer "Paris"), so on CPU "auto"
         # means fp32. Small models are what CPUs serve; the cost is memory, not answers.
         dtype = "float32"
+    # No --enable-prefix-caching: vLLM turns it on where the model supports it, and forcing it
+    # fails the start of models that cannot cache prefixes (BERT embedders).
     flags = ["--model", model_path, "--served-model-name", served_name, "--dtype", dtype,
-             "--max-num-seqs", str(max_inflight), "--enable-prefix-caching"]
+             "--max-num-seqs", str(max_inflight)]
     if max_model_len is not None:
         flags += ["--max-model-len", str(max_model_len)]
     if cpu:
