@@ -79,7 +79,7 @@ def test_nats_restart_mid_run_loses_no_accepted_request(tmp_path, tiny):
 
 
 def test_full_queue_answers_429_with_retry_after(tmp_path, tiny):
-    with make_stack(tmp_path, tiny, LOOPLINE_MAX_QUEUE_DEPTH="4", LOOPLINE_ENGINE="reference") as stack:
+    with make_stack(tmp_path, tiny, LOOPLINE_MAX_QUEUE_DEPTH="4") as stack:
         # Wait for the queue service's first admission snapshot.
         time.sleep(1.0)
         resp = httpx.post(f"{stack.url}/v1/generate", json={"prompts": [f"p{i}" for i in range(10)]},

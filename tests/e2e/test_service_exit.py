@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -23,8 +24,8 @@ import nats.errors
 import pytest
 
 from loopline.common import bus, launcher, runtime, subjects
-from loopline.common.schemas import ResultItem, SamplingParams, ServiceStatus, WorkItem
-from loopline.gateway.submit import request_id
+from loopline.common.schemas import ResultItem, ServiceStatus, WorkItem
+from loopline.gateway.submit import Prompt, request_id
 from loopline.gateway.work import WorkPublisher
 from support.kill_loop import KILLED
 from support.stacks import MODELS_DIR, tiny_model
@@ -85,7 +86,6 @@ def service_env(nats_url: str, tmp_path: Path, name: str) -> dict[str, str]:
         "LOOPLINE_STATE_DIR": str(tmp_path / "state"),
         "LOOPLINE_MODELS_DIR": str(MODELS_DIR),
         "LOOPLINE_MODEL": tiny_model(),
-        "LOOPLINE_ENGINE": "reference",
         "LOOPLINE_LAUNCHER": "local",
         "LOOPLINE_HOST": "127.0.0.1",
         "LOOPLINE_PORT": str(launcher.free_port()),
@@ -192,7 +192,7 @@ def test_sigterm_lets_a_replica_finish_the_requests_in_flight(nats_url, tmp_path
     assert "finishing" in log and "still in flight after the drain" not in log, log
     # What it held when told to stop was answered; the rest stays in WORK for another replica.
     assert in_flight >= 1 and len(results) >= in_flight, (in_flight, len(results))
-    assert all(r.error is None and r.choices[0].text for r in results), results
+    assert all(r.status == 200 and json.loads(r.text())["choices"][0]["text"] for r in results), results
 
 
 async def stop_while_generating(proc: launcher.Proc, replica: Service, env: dict[str, str],
@@ -204,10 +204,11 @@ async def stop_while_generating(proc: launcher.Proc, replica: Service, env: dict
         await status_of(nc, proc, replica, env)
         js = nc.jetstream()
         group = f"stop{time.monotonic_ns()}"
+        requests = [Prompt(text=f"Count slowly from {i} to a hundred:").as_request("tiny", 48, 0.0)
+                    for i in range(prompts)]
         items = [WorkItem(request_id=request_id(group, i), group=group, index=i, model="tiny",
-                          prompt=f"Count slowly from {i} to a hundred:",
-                          sampling=SamplingParams(max_tokens=48))
-                 for i in range(prompts)]
+                          route=route, body=body)
+                 for i, (route, body) in enumerate(requests)]
         await WorkPublisher(js, retry_after_s=1).publish(None, items, subjects.deployment_key("tiny"))
         # Polls the replica's status over NATS: no event in this process to wait on.
         while (in_flight := (await status_of(nc, proc, replica, env, 60)).detail["in_flight"]) < 1:  # noqa: ASYNC110
