@@ -1,5 +1,7 @@
 from pathlib import Path
 
+import pytest
+
 from loopline.common.settings import GatewaySettings, InferenceSettings, QueueSettings
 
 
@@ -17,3 +19,9 @@ def test_settings_read_loopline_variables(monkeypatch, tmp_path):
     assert inference.models_dir == Path(tmp_path) / "models"
     monkeypatch.setenv("LOOPLINE_MODELS_DIR", "/shared/models")
     assert InferenceSettings().models_dir == Path("/shared/models")
+
+
+def test_a_replica_refuses_several_models(monkeypatch):
+    monkeypatch.setenv("LOOPLINE_MODEL", "tiny,tiny-embed")
+    with pytest.raises(ValueError, match="a replica serves one model"):
+        InferenceSettings()

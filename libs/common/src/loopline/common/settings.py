@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, JsonValue
+from pydantic import Field, JsonValue, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -156,6 +156,14 @@ class InferenceSettings(CommonSettings):
     # It sizes the buffers vLLM sets aside per adapter slot.
     max_adapter_rank: int = Field(default=64, ge=1, description=(
         "The largest adapter rank served (LoRA's `r`, a Tokenformer's `num_tokens`)."))
+
+    @field_validator("model")
+    @classmethod
+    def _one_model(cls, model: str) -> str:
+        if "," in model:
+            raise ValueError(f"LOOPLINE_MODEL={model!r}: a replica serves one model; several, comma-"
+                             "separated, are for the stack (make up), which starts replicas per model")
+        return model
 
     @property
     def name(self) -> str:
