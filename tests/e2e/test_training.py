@@ -4,13 +4,13 @@ ml/ program -> checkpoints in the job directory -> checkpoint-watcher -> vLLM re
 new adapter -> ``generate(model_name=<job hash>)`` and ``openai`` with ``model=<job hash>``.
 
 Three prompt -> completion pairs on the tiny model with the documented recipe
-(docs/adapter-format.md): each trained adapter gives all three answers back exactly, through the
-reference engine and through the served platform; the base model gives none of them.
+(docs/adapter-format.md): each trained adapter gives all three answers back exactly, by plain
+transformers with the checkpoint applied (support/greedy.py) and through the served platform; the
+base model gives none of them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -24,9 +24,8 @@ import pytest
 import scalarlm
 
 from loopline.common.adapter_format import FROZEN_BASE_TYPES
-from loopline.inference.engine import GenerationRequest, Sampling
-from loopline.inference.reference_engine import ReferenceEngine
 from loopline.ml.train.checkpoint import latest_checkpoint
+from support.greedy import greedy_texts
 from support.stacks import make_stack
 
 PAIRS = [
@@ -68,23 +67,6 @@ def wait_finished(llm, job_hash: str, timeout_s: float = 240) -> dict:
             return job
         time.sleep(0.5)
     raise AssertionError(f"job {job_hash} did not finish in {timeout_s} s: {job}")
-
-
-def generate(model_path: str, adapter: Path | None) -> list[str]:
-    async def go():
-        engine = ReferenceEngine(model_path, max_model_len=None, dtype="float32", adapter=adapter)
-        await engine.start()
-        outs = []
-        for i, (prompt, _) in enumerate(PAIRS):
-            ids = engine.tokenizer.encode(prompt, add_special_tokens=True)
-            text = ""
-            async for delta in engine.generate(GenerationRequest(f"r{i}", ids, Sampling(max_tokens=24))):
-                text += delta.text
-            outs.append(text)
-        await engine.stop()
-        return outs
-
-    return asyncio.run(go())
 
 
 def read_events(url: str, job_hash: str) -> list[dict]:
@@ -132,7 +114,7 @@ def test_scalarlm_client_trains_an_adapter_that_answers(train_stack, tiny, tmp_p
     step, checkpoint = latest_checkpoint(train_stack.jobs_dir / job_hash)
     assert step == RECIPE["max_steps"]
     answers = [a for _, a in PAIRS]
-    assert generate(tiny, checkpoint) == answers
+    assert greedy_texts(tiny, [q for q, _ in PAIRS], checkpoint=checkpoint) == answers
 
     # The loop closes: the watcher announced the final checkpoint, the vLLM replica loaded it, and
     # the job hash now answers as a model, through both clients, while the base model does not.
@@ -148,7 +130,7 @@ def test_scalarlm_client_trains_an_adapter_that_answers(train_stack, tiny, tmp_p
 
 
 def test_base_model_does_not_know_the_answers(tiny):
-    outs = generate(tiny, None)
+    outs = greedy_texts(tiny, [q for q, _ in PAIRS])
     assert all(out != a for out, (_, a) in zip(outs, PAIRS, strict=True))
 
 

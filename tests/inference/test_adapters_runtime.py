@@ -1,9 +1,10 @@
 """Run-time adapters in one replica: checkpoints announced on CHECKPOINTS (as the checkpoint-watcher
 does) are downloaded from the object store, loaded as new versions and served by job hash.
 
-Real parts: nats-server, the vLLM engine (and the reference engine) on the tiny model, the
-replica's worker, and LoRA / Tokenformer adapters trained by ``python -m loopline.ml.train`` with
-the documented recipe, which answers its three pairs exactly.
+Real parts: nats-server, vLLM's own OpenAI server in-process (as the replica runs it) on the tiny
+model, the replica's adapter manager and worker, and LoRA / Tokenformer adapters trained by
+``python -m loopline.ml.train`` with the documented recipe, which answers its three pairs exactly.
+Requests are vLLM completion requests published on WORK as the gateway publishes them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 import time
 import uuid
 from importlib.metadata import entry_points
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -23,19 +25,22 @@ import pytest_asyncio
 from loopline.common import adapter_format, bus, subjects
 from loopline.common.job_layout import CHECKPOINTS_DIR, CONFIG_FILE, DATASET_FILE, checkpoint_name
 from loopline.common.job_schemas import AdapterEvent
-from loopline.common.schemas import ResultItem, SamplingParams, WorkItem
+from loopline.common.schemas import ResultItem, WorkItem
 from loopline.gateway.submit import request_id
 from loopline.gateway.work import WorkPublisher
 from loopline.inference.adapters import AdapterManager
-from loopline.inference.engine import GenerationRequest, Sampling, vllm_available
-from loopline.inference.prompts import PromptBuilder
+from loopline.inference.vllm_args import serve_flags
+from loopline.inference.vllm_server import VllmServer
 from loopline.inference.worker import Worker
 from support.checkpoints import announce_checkpoint
 from support.nats import nats_server
 from support.stacks import tiny_model
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
-needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"),
+              pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed")]
+
+# The deployment's served name: the base model the checkpoints adapt, and a base request's "model".
+BASE = "tiny"
 
 PAIRS = [
     ("What is 1 + 1?", " The answer is 2."),
@@ -112,86 +117,91 @@ async def nats(tmp_path_factory):
 
 
 class Replica:
-    """An engine, its adapter manager and its worker, as service.py wires them."""
+    """vLLM's server, its adapter manager and its worker, as service.py wires them; the worker
+    pulls from ``deployment`` (the base model's work unless told otherwise)."""
 
-    def __init__(self, nats: Bus, engine, name: str, base: str, root: Path, max_jobs: int):
-        self.nats, self.engine, self.name, self.base = nats, engine, name, base
-        self.manager = AdapterManager(nats.js, engine, base_model=base, replica=name, root=root,
+    def __init__(self, nats: Bus, server: VllmServer, name: str, root: Path, max_jobs: int,
+                 deployment: str = subjects.deployment_key(BASE)):
+        self.nats, self.server, self.name, self.deployment = nats, server, name, deployment
+        self.manager = AdapterManager(nats.js, server, base_model=BASE, replica=name, root=root,
                                       max_jobs=max_jobs)
-        self.deployment = subjects.deployment_key(base)
+        self.worker = Worker(nats.nc, nats.js, server, deployment=deployment, replica=name, max_inflight=8,
+                             ack_wait_s=30, max_deliver=3, adapters=self.manager)
 
-    async def start(self, tokenizer, *, worker: bool = True) -> None:
-        self.prompts = PromptBuilder(tokenizer, self.engine.info.max_model_len)
+    async def start(self) -> None:
+        await self.server.start()
         await self.manager.start()
+        await bus.ensure_work_consumer(self.nats.js, self.deployment, ack_wait_s=30, max_deliver=3)
         self.stopping = asyncio.Event()
         self.loads = asyncio.create_task(self.manager.run(self.stopping))
-        self.task = None
-        if not worker:
-            return
-        await bus.ensure_work_consumer(self.nats.js, self.deployment, ack_wait_s=30, max_deliver=3)
-        self.worker = Worker(self.nats.nc, self.nats.js, self.engine, self.prompts,
-                             deployment=self.deployment, replica=self.name, max_inflight=8,
-                             ack_wait_s=30, max_deliver=3, adapters=self.manager)
         self.task = asyncio.create_task(self.worker.run(self.stopping, drain_s=5))
 
     async def stop(self) -> None:
         self.stopping.set()
-        if self.task is not None:
-            await self.task
+        await self.task
         await self.loads
         await self.manager.stop()
-        await self.engine.stop()
+        await self.server.stop()
 
-    async def ask(self, prompts: list[str], adapter: str | None, max_tokens: int = 24) -> list[ResultItem]:
-        """Publish work items as the gateway does and wait for their results."""
+    def items(self, prompts: list[str], adapter: str | None, max_tokens: int = 24, **body) -> list[WorkItem]:
+        """One greedy completion request per prompt, as the gateway makes it: the client's body
+        names the job hash (or the base model), and the item the adapter it resolved to."""
         group = uuid.uuid4().hex
+        model = adapter or BASE
+        return [WorkItem(request_id=request_id(group, i), group=group, index=i, model=model,
+                         route="/v1/completions", adapter=adapter, stream=bool(body.get("stream")),
+                         body=json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                          "temperature": 0, **body}))
+                for i, prompt in enumerate(prompts)]
+
+    async def results(self, items: list[WorkItem]) -> list[ResultItem]:
+        """Publish work items as the gateway does and wait for their stored results."""
         results: dict[int, ResultItem] = {}
         done = asyncio.Event()
 
         async def on_result(msg):
             result = ResultItem.model_validate_json(msg.data)
             results[result.index] = result
-            if len(results) == len(prompts):
+            if len(results) == len(items):
                 done.set()
 
-        sub = await self.nats.nc.subscribe(subjects.results_of_group(group), cb=on_result)
-        items = [WorkItem(request_id=request_id(group, i), group=group, index=i, model=adapter or self.base,
-                          prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens), adapter=adapter)
-                 for i, prompt in enumerate(prompts)]
+        sub = await self.nats.nc.subscribe(subjects.results_of_group(items[0].group), cb=on_result)
         await WorkPublisher(self.nats.js, retry_after_s=1).publish(None, items, self.deployment)
-        await asyncio.wait_for(done.wait(), 60)
+        await asyncio.wait_for(done.wait(), 120)
         await sub.unsubscribe()
-        return [results[i] for i in range(len(prompts))]
+        return [results[i] for i in range(len(items))]
 
-    async def texts(self, prompts: list[str], adapter: str | None) -> list[str]:
+    async def ask(self, prompts: list[str], adapter: str | None) -> list[ResultItem]:
+        return await self.results(self.items(prompts, adapter))
+
+    async def texts(self, prompts: list[str], adapter: str | None, step: int | None = None) -> list[str]:
+        """The completions' texts, each checked to come from the version it says: ``step`` of the
+        job ``adapter``, or the base model."""
         results = await self.ask(prompts, adapter)
-        assert all(r.error is None for r in results), [r.error for r in results]
-        return [r.choices[0].text for r in results]
-
-    async def direct_texts(self, prompts: list[str], job: str) -> list[str]:
-        """Generate as the worker does (pin, generate, release) without going through WORK."""
+        assert all(r.status == 200 and r.error is None for r in results), [r.error for r in results]
         texts = []
-        for prompt in prompts:
-            version = await self.manager.acquire(job)
-            try:
-                ids = self.prompts.tokenizer.encode(prompt)
-                texts.append("".join([d.text async for d in generate(self.engine, ids, version.handle)]))
-            finally:
-                await self.manager.release(version)
+        for result in results:
+            answer = json.loads(result.text())
+            assert answer["model"] == (adapter or BASE)  # the name the client asked for
+            if adapter is not None:
+                assert result.adapter_step == step
+                assert answer["system_fingerprint"] == f"{adapter}@{step}"
+            else:
+                assert result.adapter_step is None
+            texts.append(answer["choices"][0]["text"])
         return texts
+
+
+def vllm_server(tiny: str, max_adapters: int) -> VllmServer:
+    # Rank 32 covers the recipe's Tokenformer (num_tokens 32) and LoRA (r 8).
+    return VllmServer(serve_flags(tiny, served_name=BASE, max_inflight=8, adapters=True,
+                                  max_adapters=max_adapters, max_adapter_rank=32))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def vllm(nats, tiny, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from loopline.inference.vllm_engine import VllmEngine
-
-    engine = VllmEngine(tiny, max_model_len=None, max_num_seqs=8, dtype="auto", enable_lora=True,
-                        max_loras=4, max_lora_rank=32)
-    await engine.start()
-    replica = Replica(nats, engine, "r-vllm", tiny, tmp_path_factory.mktemp("state") / "adapters", 4)
-    await replica.start(AutoTokenizer.from_pretrained(tiny))
+    replica = Replica(nats, vllm_server(tiny, 4), "r-vllm", tmp_path_factory.mktemp("state") / "adapters", 4)
+    await replica.start()
     yield replica
     await replica.stop()
 
@@ -207,27 +217,25 @@ async def next_event(queue: asyncio.Queue, kind: str = "loaded", replica: str = 
         assert event.kind != "rejected", event.reason
 
 
-async def generate(engine, tokenizer_ids: list[int], handle, max_tokens: int = 24):
-    """Stream one greedy generation with an adapter version's handle."""
-    request = GenerationRequest(uuid.uuid4().hex, tokenizer_ids, Sampling(max_tokens=max_tokens),
-                                adapter=handle)
-    async for delta in engine.generate(request):
-        yield delta
+def streamed_text(events: list[bytes]) -> str:
+    """The text of a streamed completion: its SSE events' texts, in order (the usage event, which
+    closes the stream, has no choices)."""
+    chunks = [json.loads(data) for e in events if (data := e.removeprefix(b"data: ").strip()) != b"[DONE]"]
+    return "".join(choice["text"] for chunk in chunks for choice in chunk["choices"])
 
 
-@needs_vllm
 async def test_announced_checkpoint_serves_the_trained_answers(nats, vllm, lora):
     job = new_hash()
     events = await nats.events(job)
-    announce = await announce_checkpoint(nats.js, step_dir(lora, 30), job_hash=job, base_model=vllm.base)
+    announce = await announce_checkpoint(nats.js, step_dir(lora, 30), job_hash=job, base_model=BASE)
     # Straight away, as a client would right after the checkpoint appears: the request waits for
     # the load under way (or starts it) instead of failing.
     started = time.time()
-    assert await vllm.texts([q for q, _ in PAIRS], job) == ANSWERS
+    assert await vllm.texts([q for q, _ in PAIRS], job, step=30) == ANSWERS
     first_response_s = time.time() - announce.created_at
     loaded = await next_event(events)
     assert (loaded.job_hash, loaded.step, loaded.replica) == (job, 30, "r-vllm")
-    assert loaded.base_model == vllm.base and loaded.adapter_type == "lora"
+    assert loaded.base_model == BASE and loaded.adapter_type == "lora"
     assert 0 < loaded.load_s <= loaded.latency_s < 5
     print(f"\nannounce -> loaded {loaded.latency_s:.3f} s (load {loaded.load_s:.3f} s); announce -> "
           f"answers {first_response_s:.3f} s (asked {started - announce.created_at:.3f} s after)")
@@ -235,45 +243,68 @@ async def test_announced_checkpoint_serves_the_trained_answers(nats, vllm, lora)
     assert all(t != a for t, a in zip(await vllm.texts([q for q, _ in PAIRS], None), ANSWERS, strict=True))
     # A job nobody announced is a clear 404, not a hang.
     [unknown] = await vllm.ask(["hi"], new_hash())
-    assert unknown.error is not None and unknown.error.status == 404
+    assert unknown.status == 404 and unknown.error is not None and unknown.error.status == 404
 
 
-@needs_vllm
 async def test_new_checkpoint_flips_the_job_while_pinned_requests_finish(nats, vllm, lora):
     job = new_hash()
     events = await nats.events(job)
-    await announce_checkpoint(nats.js, step_dir(lora, 3), job_hash=job, base_model=vllm.base)
+    await announce_checkpoint(nats.js, step_dir(lora, 3), job_hash=job, base_model=BASE)
     await next_event(events)
-    early = await vllm.texts([q for q, _ in PAIRS], job)
+    early = await vllm.texts([q for q, _ in PAIRS], job, step=3)
     assert early != ANSWERS  # step 3 has not learnt them yet
+    # A prompt whose answer tells the steps apart.
+    k = next(i for i, (e, a) in enumerate(zip(early, ANSWERS, strict=True)) if e != a)
 
-    # A request in flight on step 3 (pinned as the worker pins, streaming) when step 30 is
-    # announced and loaded; a second one pinned before the flip starts only after it.
+    # A version pinned before the flip (as the worker pins), to be used only after it; and a
+    # streamed request in flight on step 3 through the worker while step 30 is announced and loaded.
     old = await vllm.manager.acquire(job)
-    old_again = await vllm.manager.acquire(job)
-    ids = vllm.prompts.tokenizer.encode(PAIRS[0][0])
-    stream = generate(vllm.engine, ids, old.handle, max_tokens=80)
-    text = (await anext(stream)).text
-    await announce_checkpoint(nats.js, step_dir(lora, 30), job_hash=job, base_model=vllm.base)
-    assert (await next_event(events)).step == 30
-    assert vllm.engine.llm.output_processor.get_num_unfinished_requests() == 1, "finished too early"
-    async for delta in stream:
-        text += delta.text
-    late = "".join([d.text async for d in generate(vllm.engine, ids, old_again.handle)])
+    [item] = vllm.items([PAIRS[k][0]], job, max_tokens=200, stream=True, ignore_eos=True,
+                        stream_options={"include_usage": True})
+    first_event = asyncio.Event()
+
+    async def on_token(_msg):
+        first_event.set()
+
+    tokens = await nats.nc.subscribe(subjects.token_stream(item.request_id), cb=on_token)
+    streamed = asyncio.create_task(vllm.results([item]))
+    await asyncio.wait_for(first_event.wait(), 60)
+    # Hold vLLM's scheduler, so the request is surely mid-generation through the whole flip
+    # (200 tokens take under a second here: a race with the load otherwise).
+    llm = vllm.server.llm
+    await llm.pause_generation(mode="keep", clear_cache=False)
+    try:
+        await announce_checkpoint(nats.js, step_dir(lora, 30), job_hash=job, base_model=BASE)
+        assert (await next_event(events)).step == 30
+        assert llm.output_processor.get_num_unfinished_requests() == 1, "finished too early"
+    finally:
+        await llm.resume_generation()
+    [result] = await streamed
+    await tokens.unsubscribe()
+    # The request in flight ran on step 3 to the end, and says so.
+    assert result.status == 200 and result.adapter_step == 3 and result.completion_tokens == 200
+    text = streamed_text([e.encode() for e in result.events()])
+    assert f'"system_fingerprint":"{job}@3"' in result.text()
+    # The version pinned before the flip still serves step 3 after it (asked by vLLM's name for it).
+    async def not_streamed(_event: bytes) -> None:
+        raise AssertionError("a request without stream=true got events")
+
+    body = {"model": old.handle.lora_name, "prompt": PAIRS[k][0], "max_tokens": 24, "temperature": 0}
+    late = await vllm.server.call("/v1/completions", json.dumps(body).encode(), not_streamed)
+    assert late.status == 200
     new = vllm.manager.current[job]
     assert new.step == 30 and old.step == 3
     # New requests get step 30; the pinned ones run on step 3 to the end.
-    assert await vllm.texts([q for q, _ in PAIRS], job) == ANSWERS
-    assert late == early[0] and text.startswith(early[0]) and text != ANSWERS[0]
-    await vllm.manager.release(old_again)
+    assert await vllm.texts([q for q, _ in PAIRS], job, step=30) == ANSWERS
+    late_text = json.loads(late.body)["choices"][0]["text"]
+    assert late_text == early[k] and text.startswith(early[k]) and not text.startswith(ANSWERS[k])
     # Step 3 stays loaded while pinned, and goes with its last request.
-    assert old.handle.lora_int_id in await vllm.engine.llm.list_loras() and old.folder.exists()
+    assert old.handle.lora_int_id in await llm.list_loras() and old.folder.exists()
     await vllm.manager.release(old)
-    assert old.handle.lora_int_id not in await vllm.engine.llm.list_loras() and not old.folder.exists()
-    assert new.handle.lora_int_id in await vllm.engine.llm.list_loras()
+    assert old.handle.lora_int_id not in await llm.list_loras() and not old.folder.exists()
+    assert new.handle.lora_int_id in await llm.list_loras()
 
 
-@needs_vllm
 async def test_full_weight_checkpoint_is_rejected_by_vllm_with_the_reason(nats, vllm, tmp_path):
     import torch
     from safetensors.torch import save_file
@@ -281,53 +312,51 @@ async def test_full_weight_checkpoint_is_rejected_by_vllm_with_the_reason(nats, 
     checkpoint = tmp_path / checkpoint_name(1)
     checkpoint.mkdir()
     (checkpoint / adapter_format.CONFIG_FILE).write_text(json.dumps(
-        {"adapter_type": "none", "format_version": 1, "step": 1, "base_model_name_or_path": vllm.base}))
+        {"adapter_type": "none", "format_version": 1, "step": 1, "base_model_name_or_path": BASE}))
     save_file({"model.norm.weight": torch.ones(4)}, str(checkpoint / adapter_format.WEIGHTS_FILE))
     job = new_hash()
     events = await nats.events(job)
-    await announce_checkpoint(nats.js, checkpoint, job_hash=job, base_model=vllm.base)
+    await announce_checkpoint(nats.js, checkpoint, job_hash=job, base_model=BASE)
     rejected = await next_event(events, "rejected")
     assert rejected.replica == "r-vllm" and "full fine-tune" in rejected.reason
     [result] = await vllm.ask(["hi"], job)
-    assert result.error is not None and result.error.status == 422
+    assert result.status == 422 and result.error is not None and result.error.status == 422
     assert "full fine-tune" in result.error.message
+    assert "full fine-tune" in json.loads(result.text())["error"]["message"]  # what the client reads
 
 
-@needs_vllm
 @pytest.mark.skipif(all(e.name != "loopline_tokenformer" for e in entry_points(group="vllm.general_plugins")),
                     reason="the Tokenformer vLLM plugin is not installed")
 async def test_tokenformer_checkpoint_serves_the_trained_answers_on_vllm(nats, vllm, tokenformer):
     job = new_hash()
     events = await nats.events(job)
-    await announce_checkpoint(nats.js, step_dir(tokenformer, 30), job_hash=job, base_model=vllm.base)
+    await announce_checkpoint(nats.js, step_dir(tokenformer, 30), job_hash=job, base_model=BASE)
     assert (await next_event(events)).adapter_type == "tokenformer"
-    assert await vllm.texts([q for q, _ in PAIRS], job) == ANSWERS
+    assert await vllm.texts([q for q, _ in PAIRS], job, step=30) == ANSWERS
 
 
 async def test_replica_started_later_catches_up_and_lru_bounds_it(nats, tiny, lora, tokenformer, tmp_path):
-    """A reference-engine replica started after the announces loads the newest checkpoint of the
+    """A replica (vLLM of its own) started after the announces loads the newest checkpoint of the
     newest job at once; with room for one job, an older job loads at its first request and the
     idle one is unloaded."""
-    from loopline.inference.reference_engine import ReferenceEngine
-
     older, newer = new_hash(), new_hash()
     for step in (3, 30):  # CHECKPOINTS keeps only step 30 of ``older``
-        await announce_checkpoint(nats.js, step_dir(lora, step), job_hash=older, base_model=tiny)
-    await announce_checkpoint(nats.js, step_dir(tokenformer, 30), job_hash=newer, base_model=tiny)
+        await announce_checkpoint(nats.js, step_dir(lora, step), job_hash=older, base_model=BASE)
+    await announce_checkpoint(nats.js, step_dir(tokenformer, 30), job_hash=newer, base_model=BASE)
 
     events = await nats.events(newer)
-    engine = ReferenceEngine(tiny, max_model_len=None, dtype="float32")
-    await engine.start()
-    replica = Replica(nats, engine, "r-late", tiny, tmp_path / "adapters", max_jobs=1)
-    # No worker: the vLLM replica of this module shares the deployment's work.
-    await replica.start(engine.tokenizer, worker=False)
+    # Its worker pulls from a work subject of its own: the module's first replica, which serves
+    # the same base model, would otherwise take some of its requests.
+    replica = Replica(nats, vllm_server(tiny, 1), "r-late", tmp_path / "adapters", max_jobs=1,
+                      deployment=subjects.deployment_key(f"{BASE}-late"))
+    await replica.start()
     try:
         loaded = await next_event(events, replica="r-late")
         assert (loaded.step, loaded.adapter_type) == (30, "tokenformer")
         assert replica.manager.loaded() == {newer: 30}
-        assert await replica.direct_texts([q for q, _ in PAIRS], newer) == ANSWERS
+        assert await replica.texts([q for q, _ in PAIRS], newer, step=30) == ANSWERS
         # The older job is known but not loaded; its first request loads step 30, evicting ``newer``.
-        assert await replica.direct_texts([q for q, _ in PAIRS], older) == ANSWERS
+        assert await replica.texts([q for q, _ in PAIRS], older, step=30) == ANSWERS
         assert replica.manager.loaded() == {older: 30}
         assert not any((tmp_path / "adapters" / newer).iterdir())
     finally:

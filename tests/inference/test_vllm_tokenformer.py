@@ -10,10 +10,10 @@ the raw logits, for every prompt position (``prompt_logprobs=-1``) and every gen
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import itertools
+import json
 import math
 from importlib.metadata import entry_points
+from importlib.util import find_spec
 from types import SimpleNamespace
 
 import pytest
@@ -21,12 +21,12 @@ import pytest_asyncio
 import torch
 
 from loopline.common.adapter_format import CONFIG_FILE
-from loopline.inference.engine import vllm_available
+from support.greedy import greedy_completions
 from support.stacks import tiny_model
 
-# The engine is started once for the module, so its tests share the module's event loop.
+# The server is started once for the module, so its tests share the module's event loop.
 on_module_loop = pytest.mark.asyncio(loop_scope="module")
-needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+needs_vllm = pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed")
 
 TOL = 1e-4
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -111,33 +111,38 @@ def tokenizer(tiny):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(tiny):
-    from loopline.inference.vllm_engine import VllmEngine
+async def server(tiny):
+    """vLLM's OpenAI server in-process, as a replica runs it, with the flags these tests need."""
+    from loopline.inference.vllm_args import serve_flags
+    from loopline.inference.vllm_server import VllmServer
 
-    engine = VllmEngine(
-        tiny, max_model_len=256, max_num_seqs=8, dtype="float32",
-        # 3 slots for 3 adapters: the last slot is occupied too (see the -1 note in tokenformer_vllm).
-        enable_lora=True, max_loras=3, max_lora_rank=32, max_cpu_loras=4,
-        engine_args={
-            "max_logprobs": -1, "logprobs_mode": "raw_logits",
-            # Only the projections: vLLM 0.32 otherwise wraps lm_head for LoRA too, and its LoRA
-            # logits path fails on prompt_logprobs of several requests in one batch.
-            "lora_target_modules": ALL_TARGETS,
-        })
-    await engine.start()
-    yield engine
-    await engine.stop()
+    extra = [
+        # 3 slots for 3 adapters (the last slot is occupied too: see the -1 note in
+        # tokenformer_vllm), 4 cached, so the fifth adapter evicts one.
+        "--max-cpu-loras", "4",
+        # vLLM's "logprobs" are then the raw logits, for any number of tokens.
+        "--max-logprobs", "-1", "--logprobs-mode", "raw_logits",
+        # Only the projections: vLLM 0.32 otherwise wraps lm_head for LoRA too, and its LoRA
+        # logits path fails on prompt_logprobs of several requests in one batch.
+        "--lora-target-modules", *ALL_TARGETS,
+    ]
+    flags = serve_flags(tiny, served_name="tiny", max_inflight=8, dtype="float32", max_model_len=256,
+                        adapters=True, max_adapters=3, max_adapter_rank=32, extra=" ".join(extra))
+    server = VllmServer(flags)
+    await server.start()
+    yield server
+    await server.stop()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def lora_requests(engine, vllm_folders):
-    """Loaded at run time into the running engine, as the replica's adapter manager does."""
-    from vllm.lora.request import LoRARequest
+async def lora_requests(server, checkpoints):
+    """Loaded at run time into the running server, as the replica's adapter manager loads them
+    (converted, added to vLLM, registered under their names)."""
+    from loopline.ml.adapters import read_adapter_config
 
-    requests = {}
-    for lora_id, (name, (path, _kind)) in enumerate(vllm_folders.items(), start=1):
-        requests[name] = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
-        await engine.llm.add_lora(requests[name])
+    requests = {name: await server.load_adapter(name, ck, read_adapter_config(ck))
+                for name, ck in checkpoints.items()}
+    assert [r.lora_int_id for r in requests.values()] == [1, 2, 3]  # the ids the tests below name
     return {**requests, "base": None}
 
 
@@ -318,8 +323,8 @@ def _mixed_forwards(stats: dict, ids: set[int]) -> list[dict]:
 
 @needs_vllm
 @on_module_loop
-async def test_mixed_batch_logits_match_reference(engine, lora_requests, checkpoints, tokenizer, tiny):
-    llm = engine.llm
+async def test_mixed_batch_logits_match_reference(server, lora_requests, checkpoints, tokenizer, tiny):
+    llm = server.llm
     vocab = llm.vllm_config.model_config.get_vocab_size()
     prompts = {name: tokenizer.encode(text) for name, text in PROMPTS.items()}
     await llm.collective_rpc("loopline_tokenformer_stats", kwargs={"reset": True})
@@ -345,7 +350,7 @@ async def test_mixed_batch_logits_match_reference(engine, lora_requests, checkpo
 
 @needs_vllm
 @on_module_loop
-async def test_slots_change_kind_when_adapters_come_and_go(engine, lora_requests, vllm_folders, checkpoints,
+async def test_slots_change_kind_when_adapters_come_and_go(server, lora_requests, vllm_folders, checkpoints,
                                                            tokenizer, tiny):
     """Two more adapters loaded at run time into the full engine (3 slots, 4 cached). A batch of two
     LoRAs and one Tokenformer then follows one of two Tokenformers and one LoRA: some slot that held
@@ -353,7 +358,7 @@ async def test_slots_change_kind_when_adapters_come_and_go(engine, lora_requests
     follow the slots."""
     from vllm.lora.request import LoRARequest
 
-    llm = engine.llm
+    llm = server.llm
     vocab = llm.vllm_config.model_config.get_vocab_size()
     await llm.collective_rpc("loopline_tokenformer_stats", kwargs={"reset": True})
     first = {name: tokenizer.encode(text) for name, text in PROMPTS.items()}
@@ -386,39 +391,33 @@ async def test_slots_change_kind_when_adapters_come_and_go(engine, lora_requests
     assert all(d <= TOL for d in diffs.values()), diffs
 
 
-_ids = itertools.count()
-
-
-async def _run(engine, request):
-    texts, counts, reasons = "", 0, None
-    async for delta in engine.generate(request):
-        texts += delta.text
-        counts = delta.tokens
-        reasons = delta.finish_reason or reasons
-    return texts, counts, reasons
-
-
 @needs_vllm
 @on_module_loop
-async def test_greedy_generation_matches_reference_engine(engine, lora_requests, checkpoints, tiny):
-    """Every adapter (and the base model) at once through VllmEngine on the same prompt, against
-    the reference engine with the same checkpoint applied, 16 greedy tokens each."""
-    from loopline.common.schemas import SamplingParams, WorkItem
-    from loopline.inference.prompts import PromptBuilder
-    from loopline.inference.reference_engine import ReferenceEngine
+async def test_greedy_generation_matches_transformers(server, lora_requests, checkpoints, tiny):
+    """Every adapter (and the base model) at once through vLLM's /v1/completions on the same
+    prompt, against transformers with the same checkpoint applied (support/greedy.py), 16 greedy
+    tokens each."""
+    prompt = PROMPTS["tokenformer-b"]
+    expected = {}
+    for name in lora_requests:
+        [c] = await asyncio.to_thread(greedy_completions, tiny, [prompt], checkpoint=checkpoints.get(name),
+                                      max_tokens=16)
+        expected[name] = (c.text, len(c.token_ids), c.finish_reason)
 
-    expected, requests = {}, {}
-    for name, lora_request in lora_requests.items():
-        reference = ReferenceEngine(tiny, max_model_len=None, dtype="float32", adapter=checkpoints.get(name))
-        await reference.start()
-        builder = PromptBuilder(reference.tokenizer, reference.info.max_model_len)
-        item = WorkItem(request_id=f"greedy-{next(_ids)}", group="g", index=0, model="tiny",
-                        prompt=PROMPTS["tokenformer-b"], sampling=SamplingParams(max_tokens=16))
-        request = builder.build(item)
-        expected[name] = await _run(reference, request)
-        await reference.stop()
-        requests[name] = dataclasses.replace(request, adapter=lora_request)
-    got = await asyncio.gather(*(_run(engine, r) for r in requests.values()))
-    assert dict(zip(requests, got, strict=True)) == expected
+    async def no_events(_event: bytes) -> None:
+        pass  # the answers are not streamed
+
+    async def complete(lora_request) -> tuple[str, int, str]:
+        model = lora_request.lora_name if lora_request is not None else "tiny"
+        body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+        answer = await server.call("/v1/completions", json.dumps(body).encode(), no_events)
+        assert answer.status == 200, answer.body
+        out = json.loads(answer.body)
+        assert out["model"] == model
+        [choice] = out["choices"]
+        return choice["text"], out["usage"]["completion_tokens"], choice["finish_reason"]
+
+    got = await asyncio.gather(*(complete(r) for r in lora_requests.values()))
+    assert dict(zip(lora_requests, got, strict=True)) == expected
     # Four different answers to one prompt: each adapter changes what is generated.
     assert len({text for text, _, _ in expected.values()}) == len(expected), expected

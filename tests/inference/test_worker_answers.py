@@ -1,29 +1,31 @@
 """The replica's worker answers a work item's ``reply_to`` at once and keeps the stored result.
 
-Real parts: nats-server, the worker and the transformers reference engine on the tiny model.
+Real parts: nats-server, the worker and vLLM's own OpenAI server (in-process, as the replica runs
+it) on the tiny model.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import pytest
 import pytest_asyncio
-from transformers import AutoTokenizer
 
 from loopline.common import bus, subjects
-from loopline.common.schemas import ResultItem, SamplingParams, WorkItem
+from loopline.common.schemas import ResultItem, WorkItem
 from loopline.gateway.submit import request_id
 from loopline.gateway.work import WorkPublisher
-from loopline.inference.engine import build_engine
-from loopline.inference.prompts import PromptBuilder
+from loopline.inference.vllm_args import serve_flags
+from loopline.inference.vllm_server import VllmServer
 from loopline.inference.worker import Worker
 from support.nats import nats_server
 from support.stacks import tiny_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 DEPLOYMENT = "tiny-answers"
+SERVED_NAME = "tiny"
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -33,26 +35,26 @@ async def replica(tmp_path_factory):
         js = nc.jetstream()
         await bus.ensure_topology(js)
         await bus.ensure_work_consumer(js, DEPLOYMENT, ack_wait_s=30, max_deliver=3)
-        path = tiny_model()
-        engine = build_engine("reference", path, max_model_len=None, max_inflight=8, dtype="auto")
-        await engine.start()
-        prompts = PromptBuilder(AutoTokenizer.from_pretrained(path), engine.info.max_model_len)
-        worker = Worker(nc, js, engine, prompts, deployment=DEPLOYMENT, replica="r1", max_inflight=8,
+        server = VllmServer(serve_flags(tiny_model(), served_name=SERVED_NAME, max_inflight=8))
+        await server.start()
+        worker = Worker(nc, js, server, deployment=DEPLOYMENT, replica="r1", max_inflight=8,
                         ack_wait_s=30, max_deliver=3)
         stopping = asyncio.Event()
         task = asyncio.create_task(worker.run(stopping, drain_s=5))
         yield nc, js, worker
         stopping.set()
         await task
-        await engine.stop()
+        await server.stop()
         await nc.close()
 
 
 async def publish(js, group: str, count: int, reply_to: str | None) -> None:
-    """Work items as the gateway makes and publishes them (its own request ids and publisher)."""
-    items = [WorkItem(request_id=request_id(group, i), group=group, index=i, model="tiny",
-                      prompt=f"Count to {i + 2}:", sampling=SamplingParams(max_tokens=6), reply_to=reply_to)
-             for i in range(count)]
+    """Work items as the gateway makes and publishes them (its own request ids and publisher): each
+    a vLLM completion request."""
+    bodies = [{"model": SERVED_NAME, "prompt": f"Count to {i + 2}:", "max_tokens": 6} for i in range(count)]
+    items = [WorkItem(request_id=request_id(group, i), group=group, index=i, model=SERVED_NAME,
+                      route="/v1/completions", body=json.dumps(body), reply_to=reply_to)
+             for i, body in enumerate(bodies)]
     await WorkPublisher(js, retry_after_s=1).publish(None, items, DEPLOYMENT)
 
 
@@ -84,7 +86,11 @@ async def test_each_answer_reaches_reply_to_once_and_matches_the_stored_result(r
         raw = await js.get_last_msg(subjects.RESULTS_STREAM, subjects.result(answer.group, answer.index))
         stored = ResultItem.model_validate_json(raw.data)
         assert stored == answer
-        assert stored.error is None and stored.choices[0].completion_tokens > 0
+        assert stored.status == 200 and stored.error is None and stored.completion_tokens > 0
+        # vLLM's own completion, for the item's own request.
+        body = json.loads(stored.text())
+        assert body["object"] == "text_completion" and body["model"] == SERVED_NAME
+        assert body["usage"]["completion_tokens"] == stored.completion_tokens
 
 
 async def test_without_reply_to_only_the_stored_result_is_published(replica):

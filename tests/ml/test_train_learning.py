@@ -1,40 +1,21 @@
-"""Learning is real: the entry point trains an adapter that the reference engine then serves.
+"""Learning is real: the entry point trains an adapter whose checkpoint then answers its pairs.
 
 Three prompt -> completion pairs on the tiny model, trained with the documented recipe through
-`python -m loopline.ml.train`, then generated greedily with the final checkpoint applied.
+`python -m loopline.ml.train`, then generated greedily by transformers with the final checkpoint
+applied (support/greedy.py: the prompt as /v1/completions tokenizes it, 24 new tokens).
 """
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from loopline.common.adapter_format import FROZEN_BASE_TYPES
-from loopline.inference.engine import GenerationRequest, Sampling
-from loopline.inference.reference_engine import ReferenceEngine
 from loopline.ml.train.checkpoint import latest_checkpoint
-
-
-def generate(model_path: str, prompts: list[str], adapter=None) -> list[str]:
-    async def go():
-        engine = ReferenceEngine(model_path, max_model_len=None, dtype="float32", adapter=adapter)
-        await engine.start()
-        outs = []
-        for i, prompt in enumerate(prompts):
-            # As the completions endpoint builds a prompt: the raw text with the tokenizer's specials.
-            ids = engine.tokenizer.encode(prompt, add_special_tokens=True)
-            text = ""
-            async for delta in engine.generate(GenerationRequest(f"r{i}", ids, Sampling(max_tokens=24))):
-                text += delta.text
-            outs.append(text)
-        return outs
-
-    return asyncio.run(go())
+from support.greedy import greedy_texts
 
 
 def test_base_model_does_not_know_the_answers(jobs):
-    outs = generate(jobs.model, [q for q, _ in jobs.pairs])
+    outs = greedy_texts(jobs.model, [q for q, _ in jobs.pairs])
     assert all(out != answer for out, (_, answer) in zip(outs, jobs.pairs, strict=True))
 
 
@@ -49,5 +30,5 @@ def test_trained_adapter_answers_all_three(jobs, adapter_type):
 
     step, checkpoint = latest_checkpoint(job)
     assert step == jobs.recipe["max_steps"]
-    outs = generate(jobs.model, [q for q, _ in jobs.pairs], adapter=checkpoint)
+    outs = greedy_texts(jobs.model, [q for q, _ in jobs.pairs], checkpoint=checkpoint)
     assert outs == [a for _, a in jobs.pairs]
