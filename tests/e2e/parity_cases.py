@@ -175,3 +175,15 @@ CASES: list[Case] = [
 ]
 
 assert len({case.id for case in CASES}) == len(CASES), "case ids must be unique"
+
+
+def for_model(case: Case, name: str) -> Case:
+    """``case`` asking ``name`` (an adapter) instead of the base model; a case that names another
+    model is returned as it is."""
+    if isinstance(case.body, str):
+        body: dict[str, Any] | str = case.body.replace(f'"model": "{MODEL}"', f'"model": "{name}"')
+    elif case.body.get("model") == MODEL:
+        body = {**case.body, "model": name}
+    else:
+        return case
+    return Case(case.id, case.route, body, case.stream, case.stream_options)
