@@ -159,6 +159,53 @@ an external NATS takes its URL (credentials and all) from a Secret or from nats.
 - name: LOOPLINE_OTLP_ENDPOINT
   value: {{ . | quote }}
 {{- end }}
+{{ include "loopline.metricsEnv" . }}
+{{- end -}}
+
+{{/*
+LOOPLINE_METRICS_PORT: the fixed port the pod's `metrics` port and scrape annotations name (the
+runtime's default, 0, would pick a free port no scraper could know), or -1 (off) with metrics
+disabled. The port must differ from the gateway's HTTP port: both listen in the gateway's pod.
+*/}}
+{{- define "loopline.metricsEnv" -}}
+{{- if and .Values.metrics.enabled (eq (int .Values.metrics.port) (int .Values.gateway.port)) -}}
+{{- fail (printf "metrics.port %v is gateway.port too: the gateway's pod would listen on it twice" .Values.metrics.port) -}}
+{{- end -}}
+- name: LOOPLINE_METRICS_PORT
+  value: {{ ternary .Values.metrics.port -1 .Values.metrics.enabled | quote }}
+{{- end -}}
+
+{{/* The container port named `metrics` (nothing with metrics disabled). Usage: include "loopline.metricsPort" $ */}}
+{{- define "loopline.metricsPort" -}}
+{{- if .Values.metrics.enabled -}}
+- name: metrics
+  containerPort: {{ .Values.metrics.port }}
+  protocol: TCP
+{{- end -}}
+{{- end -}}
+
+{{/*
+A Loopline pod template's `annotations:` block (empty string when there are none): Prometheus'
+scrape annotations for the metrics port, then the given ones (podAnnotations), which win, so a pod
+can opt out with prometheus.io/scrape: "false".
+Usage: include "loopline.podAnnotations" (dict "root" $ "annotations" .Values.gateway.podAnnotations)
+*/}}
+{{- define "loopline.podAnnotations" -}}
+{{- $out := deepCopy (.annotations | default dict) -}}
+{{- $metrics := .root.Values.metrics -}}
+{{- if and $metrics.enabled $metrics.scrapeAnnotations -}}
+{{- $out = merge $out (dict "prometheus.io/scrape" "true" "prometheus.io/port" (toString $metrics.port) "prometheus.io/path" "/metrics") -}}
+{{- end -}}
+{{- if $out -}}
+annotations:
+  {{- toYaml $out | nindent 2 }}
+{{- end -}}
+{{- end -}}
+
+{{/* The component (and Deployment suffix) of an inference.deployments entry: "inference" for the
+one without a name, "inference-<name>" for the others. Usage: include "loopline.inferenceComponent" $entry */}}
+{{- define "loopline.inferenceComponent" -}}
+{{- ternary "inference" (printf "inference-%s" (.name | default "")) (not .name) -}}
 {{- end -}}
 
 {{/*
