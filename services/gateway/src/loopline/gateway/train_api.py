@@ -13,6 +13,7 @@ from starlette.datastructures import UploadFile
 from loopline.common import subjects
 from loopline.gateway.errors import ApiError
 from loopline.gateway.gateway import gateway_of
+from loopline.gateway.route_statuses import TRAIN_BODY
 from loopline.gateway.train_models import ModelList, TrainResponse, model_entry
 from loopline.gateway.train_submit import parse_params, respond, submit_archive, trainer_of
 
@@ -22,7 +23,7 @@ router = APIRouter(prefix="/v1/megatron")
 MAX_PARAMS_BYTES = 1024 * 1024
 
 
-@router.post("/train", response_model=TrainResponse)
+@router.post("/train", response_model=TrainResponse, openapi_extra=TRAIN_BODY)
 async def train(request: Request):
     """multipart ``file`` (tar.gz with dataset.jsonlines and optional ml/) and ``params`` (JSON).
     The body's size cap is the upload limit (BodyLimit answers 413)."""

@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, field_validator
 from loopline.common.job_hash import Sha256Hex
 from loopline.common.train_params import TrainParams, canonical
 from loopline.gateway.errors import ApiError
+from loopline.gateway.route_statuses import CHUNK_BODY
 from loopline.gateway.train_models import TrainResponse
 from loopline.gateway.train_submit import submit_archive, validate_params
 from loopline.gateway.upload_chunks import ChunkStaging, UnknownUpload, UploadPlan
@@ -78,7 +79,7 @@ def _header(request: Request, name: str) -> str:
     return value.strip()
 
 
-@router.post("/chunk")
+@router.post("/chunk", openapi_extra=CHUNK_BODY)
 async def chunk(request: Request):
     """The raw chunk as the body; headers X-Upload-Id, X-Chunk-Index, X-Chunk-Hash (sha256 hex)."""
     settings = request.app.state.settings

@@ -1,0 +1,109 @@
+"""What the gateway's own routes answer besides 200, and why: the statuses its OpenAPI document lists
+(openapi_docs.install puts them in), in one place, so a reader sees every route's errors at once.
+
+401 and 413 are the middleware's (api_keys.py, body_limit.py) and are added to every route there;
+vLLM's relayed routes are documented by openapi_docs.route_docs. tests/gateway/test_openapi.py
+checks that every route of the app has its entry here, and the fuzz run (tests/e2e/test_fuzz.py)
+that no route answers a status missing from it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# How the non-OpenAI routes answer an error (errors.py): FastAPI's and ScalarLM's shape.
+GATEWAY_ERROR = {"type": "object", "title": "GatewayError", "required": ["detail"],
+                 "properties": {"detail": {"type": "string", "title": "Detail"}}}
+
+NOT_JSON = "the body is not valid JSON"
+FIELDS = "a field, query parameter or header is missing or of the wrong type (the message names it)"
+MODEL = "no such model, or a job that is not deployed (the message says which and why)"
+FULL = "the deployment's queue is full (admission): retry after `Retry-After`"
+BUS = "the message bus did not take the request: retry after `Retry-After`"
+TRAINER = {
+    502: "the trainer answered with something that is not its API",
+    503: "no trainer is running, or it cannot reach Slurm or the datasets store: retry",
+    504: "the trainer did not answer in time",
+}
+QUEUE = {
+    502: "the queue service answered with something that is not its API",
+    503: "no queue service is running, or the message bus is unavailable: retry after `Retry-After`",
+    504: "the queue service did not answer in time",
+}
+JOB = {404: "no such job", 422: "the job name is ambiguous (a prefix of several jobs) or empty"}
+ARCHIVE = {
+    400: "the archive cannot be read, holds an unsafe path, or `params` is not JSON",
+    403: "the archive ships its own `ml/` code and this trainer does not run user code",
+    413: "the archive or its dataset is larger than the limits",
+    422: "`params` is not valid train_args (the message names the field), or the dataset is invalid",
+}
+
+# (method, path template) -> {status: why}; the 200 is FastAPI's, from the route's response model.
+ROUTES: dict[tuple[str, str], dict[int, str]] = {
+    ("GET", "/v1/models"): {},
+    ("GET", "/v1/health"): {},
+    ("GET", "/v1/health/keepalive"): {},
+    ("GET", "/metrics"): {},
+    ("POST", "/v1/generate"): {
+        400: f"{NOT_JSON}; no prompts; a prompt that is neither text nor messages; tools with text "
+             "prompts; max_tokens beyond the model's context",
+        404: MODEL, 413: "more prompts than `LOOPLINE_MAX_PROMPTS_PER_REQUEST`: use /v1/generate/upload",
+        422: FIELDS, 429: FULL, 503: BUS},
+    ("POST", "/v1/generate/get_results"): {
+        400: f"{NOT_JSON}; no request ids; a malformed request id", 404: "no request with these ids",
+        422: FIELDS},
+    ("POST", "/v1/generate/upload"): {
+        400: "the file is not a JSON array of requests, or a request is malformed", 404: MODEL,
+        413: "the file is larger than `LOOPLINE_MAX_UPLOAD_BYTES`", 422: FIELDS, 429: FULL, 503: BUS},
+    ("POST", "/v1/generate/download"): {400: NOT_JSON, 404: "no uploaded batch with this id", 422: FIELDS},
+    ("GET", "/v1/generate/metrics"): QUEUE,
+    ("POST", "/v1/generate/clear_queue"): QUEUE,
+    ("POST", "/v1/megatron/train"): {**ARCHIVE, 400: f"no `file` part; {ARCHIVE[400]}", **TRAINER},
+    ("GET", "/v1/megatron/train/{job}"): {**JOB, **TRAINER},
+    ("GET", "/v1/megatron/list_models"): TRAINER,
+    ("POST", "/v1/megatron/cancel/{job}"): {**JOB, 409: "the job is over already", **TRAINER},
+    ("POST", "/v1/megatron/delete/{job}"): {**JOB, **TRAINER},
+    ("POST", "/v1/megatron/restart/{job}"): {
+        **JOB, 409: "only a failed or cancelled job restarts, once its previous run has stopped", **TRAINER},
+    ("GET", "/v1/megatron/squeue"): TRAINER,
+    ("GET", "/v1/megatron/gpu_count"): TRAINER,
+    ("GET", "/v1/megatron/node_count"): TRAINER,
+    ("GET", "/v1/megatron/train/logs/{job}"): {**JOB, 422: f"{JOB[422]}; {FIELDS}", **TRAINER},
+    ("GET", "/v1/megatron/train/{job}/events"): {**JOB, **TRAINER},
+    ("GET", "/v1/megatron/events"): {503: "the message bus is unavailable: retry"},
+    ("POST", "/v1/megatron/upload/init"): {
+        400: NOT_JSON, 413: "the upload or its chunks are larger than the limits",
+        422: f"{FIELDS}; the chunk count does not match the sizes; invalid `params`"},
+    ("POST", "/v1/megatron/upload/chunk"): {
+        400: "a header is missing, or the chunk index or length does not fit the upload",
+        404: "no such upload: unknown, finished or expired", 413: "the chunk is larger than the limit",
+        422: "the chunk's sha256 is not its `X-Chunk-Hash`: send it again"},
+    ("POST", "/v1/megatron/upload/finalize"): {
+        **ARCHIVE, 400: f"{NOT_JSON}; {ARCHIVE[400]}", 404: "no such upload: unknown, finished or expired",
+        409: "chunks are missing: send them, then finalize again",
+        422: f"{FIELDS}; the assembled upload is not what init declared; {ARCHIVE[422]}", **TRAINER},
+}
+
+# Routes whose 200 is not one JSON body (a stream of lines, Prometheus text): its media type.
+MEDIA_TYPES = {
+    ("GET", "/v1/megatron/train/logs/{job}"): "text/event-stream",
+    ("GET", "/v1/megatron/train/{job}/events"): "text/event-stream",
+    ("GET", "/v1/megatron/events"): "text/event-stream",
+    ("GET", "/metrics"): "text/plain",
+}
+
+# Bodies the routes read themselves (so FastAPI cannot describe them): their openapi_extra.
+TRAIN_FORM = {"type": "object", "required": ["file"], "properties": {
+    "file": {"type": "string", "format": "binary",
+             "description": "tar(.gz) with dataset.jsonlines and optionally ml/"},
+    "params": {"type": "string", "description": "train_args as a JSON object"}}}
+TRAIN_BODY: dict[str, Any] = {
+    "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": TRAIN_FORM}}}}
+CHUNK_BODY: dict[str, Any] = {
+    "parameters": [{"name": name, "in": "header", "required": True, "schema": {"type": "string"},
+                    "description": why}
+                   for name, why in (("X-Upload-Id", "what init answered"),
+                                     ("X-Chunk-Index", "the chunk's position, from 0"),
+                                     ("X-Chunk-Hash", "the chunk's sha256, in hex"))],
+    "requestBody": {"required": True, "content": {"application/octet-stream": {
+        "schema": {"type": "string", "format": "binary"}}}}}

@@ -1,0 +1,108 @@
+"""The gateway's OpenAPI document as a real gateway process serves it: vLLM's own request bodies on the
+relayed routes (vllm_openapi.json, which must be what the installed vLLM documents), every other
+route's statuses from route_statuses.ROUTES, the middleware's 401 and 413, and no dangling reference.
+Whether the routes answer only what is listed is the fuzz run's job (tests/e2e/test_fuzz.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from loopline.common import launcher
+from loopline.common.schemas import QUEUED_ROUTES
+from loopline.gateway.openapi_docs import STATUSES, VLLM_OPENAPI, vllm_document
+from loopline.gateway.route_statuses import ROUTES
+from support.gateway_process import start_gateway
+
+
+def served_document(nats_url: str, state, **env: str) -> dict:
+    gateway = start_gateway(nats_url, state, **env)
+    try:
+        resp = httpx.get(f"{gateway.url}/openapi.json", timeout=30)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+    finally:
+        launcher.stop(gateway.proc)
+
+
+@pytest.fixture(scope="module")
+def document(nats_proc, tmp_path_factory) -> dict:
+    return served_document(nats_proc.info["url"], tmp_path_factory.mktemp("plain"))
+
+
+def operations(document: dict) -> dict[tuple[str, str], dict]:
+    return {(method.upper(), path): operation for path, methods in document["paths"].items()
+            for method, operation in methods.items()}
+
+
+def test_vllm_openapi_json_is_what_the_installed_vllm_documents():
+    vllm = pytest.importorskip("vllm")
+    written_by = json.loads(VLLM_OPENAPI.read_text())["vllm"]
+    if vllm.__version__ != written_by:
+        pytest.skip(f"{VLLM_OPENAPI.name} was written with vLLM {written_by}; this is {vllm.__version__}")
+    # The documented command, in its own process: vLLM's import sets up logging and threads.
+    run = subprocess.run([sys.executable, "-m", "loopline.gateway.openapi_docs"], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, (f"{run.stdout}\n{run.stderr[-2000:]}\nrun `python -m "
+                                 "loopline.gateway.openapi_docs --write` and commit the file")
+
+
+def test_relayed_routes_take_vllms_request_bodies(document):
+    ops = operations(document)
+    vllm = vllm_document()
+    for path in QUEUED_ROUTES:
+        operation = ops["POST", path]
+        assert operation["requestBody"] == vllm["paths"][path]["requestBody"], path
+        statuses = {int(s) for s in operation["responses"]}
+        assert statuses >= set(STATUSES) | {413}, path
+        assert 500 not in statuses and 401 not in statuses, path  # no API keys on this gateway
+    assert ops["POST", "/v1/chat/completions"]["requestBody"]["content"]["application/json"]["schema"] == \
+        {"$ref": "#/components/schemas/ChatCompletionRequest"}
+
+
+def test_every_other_route_lists_the_statuses_it_answers(document):
+    ops = operations(document)
+    own = {key: op for key, op in ops.items() if key[1] not in QUEUED_ROUTES}
+    # A route added without its entry in ROUTES (or an entry left behind) fails here.
+    assert set(own) == set(ROUTES)
+    for key, operation in own.items():
+        statuses = {int(s) for s in operation["responses"]}
+        assert statuses == {200, 413, *ROUTES[key]}, key
+    # The bodies the routes read themselves are described too.
+    train = ops["POST", "/v1/megatron/train"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert train["required"] == ["file"]
+    chunk = ops["POST", "/v1/megatron/upload/chunk"]
+    assert {p["name"] for p in chunk["parameters"]} == {"X-Upload-Id", "X-Chunk-Index", "X-Chunk-Hash"}
+
+
+def test_errors_are_documented_in_the_shape_they_are_answered_in(document, nats_proc):
+    ops = operations(document)
+    assert ops["POST", "/v1/completions"]["responses"]["429"]["content"]["application/json"]["schema"] == \
+        {"$ref": "#/components/schemas/ErrorResponse"}  # vLLM's, OpenAI's shape
+    download = ops["POST", "/v1/generate/download"]["responses"]["422"]
+    assert download["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/GatewayError"}
+    # Every reference resolves: vLLM's schemas came along with its bodies.
+    schemas = document["components"]["schemas"]
+    refs = set()
+    todo: list = [document["paths"], schemas]
+    # Invariant: every node taken off todo has had its children put on it.
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                refs.add(node["$ref"].rpartition("/")[2])
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    assert refs and refs <= set(schemas), refs - set(schemas)
+
+
+def test_with_api_keys_every_v1_route_but_the_probe_lists_401(nats_proc, tmp_path):
+    document = served_document(nats_proc.info["url"], tmp_path, LOOPLINE_API_KEYS="a-key")
+    for (method, path), operation in operations(document).items():
+        keyed = path.startswith("/v1") and path != "/v1/health/keepalive"
+        assert ("401" in operation["responses"]) == keyed, (method, path)
