@@ -21,8 +21,9 @@ def openai_error(resp: httpx.Response, status: int) -> str:
 
 def test_malformed_json(http):
     for path in ("/v1/completions", "/v1/chat/completions"):
+        # Answered by vLLM itself (the default deployment's), in vllm serve's own words.
         resp = http.post(path, content=b'{"prompt": "x",', headers={"content-type": "application/json"})
-        assert "not valid JSON" in openai_error(resp, 400)
+        assert "JSON decode error" in openai_error(resp, 400)
     resp = http.post("/v1/generate", content=b"{nope", headers={"content-type": "application/json"})
     assert resp.status_code == 400 and "not valid JSON" in resp.json()["detail"]
 
@@ -100,3 +101,26 @@ def test_upload_with_max_tokens_beyond_the_context(http):
     body = b'[{"prompt": "x", "model": null, "max_tokens": 1000000, "request_type": "generate"}]'
     resp = http.post("/v1/generate/upload", files={"file": ("requests.json", body)})
     assert resp.status_code == 400 and "context length" in resp.json()["detail"]
+
+
+@pytest.mark.parametrize("rid", ["*_000000000", "a b_0", "a>_0", "._0", "x..y_0", "a.*_0", "f" * 63 + "_0"])
+def test_request_ids_that_are_not_ours_are_400_and_read_nothing(http, rid):
+    """A request id reaches a NATS subject: a wildcard would read (or wait on) other clients'
+    results, a space or dot would be a bad subject. Only ids this server made are looked up."""
+    resp = http.post("/v1/generate/get_results", json={"request_ids": [rid]})
+    assert resp.status_code == 400, resp.text
+    assert "malformed request id" in resp.json()["detail"]
+
+
+def test_a_lone_surrogate_in_a_scalarlm_prompt_is_vllms_400_in_the_result(http):
+    resp = http.post("/v1/generate", content=b'{"prompts": ["\\ud800abc"], "max_tokens": 3}',
+                     headers={"content-type": "application/json"})
+    assert resp.status_code == 200, resp.text
+    [entry] = resp.json()["results"]
+    assert entry["response"] is None and entry["error"], entry
+
+
+def test_upload_with_a_model_that_is_not_a_string(http):
+    body = b'[{"prompt": "x", "model": ["a"]}]'
+    resp = http.post("/v1/generate/upload", files={"file": ("requests.json", body)})
+    assert resp.status_code == 400 and "model must be a string" in resp.json()["detail"]

@@ -67,11 +67,14 @@ async def relay(request: Request):
     raw = await request.body()
     try:
         text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the request body is not UTF-8: {exc}") from None
+    try:
         body = json.loads(text)
-    except ValueError as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except ValueError:
+        body = None  # not JSON: the default deployment's vLLM answers it, in its own words
     if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+        body = {}
     model = body.get("model")
     route = await gateway.models.resolve(model if isinstance(model, str) else None)
     if isinstance(model, str) and route.adapter is None and model != route.info.model:

@@ -178,7 +178,10 @@ async def upload(file: UploadFile, request: Request):
         max_tokens = entry.get("max_tokens") or settings.default_max_tokens
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ApiError(400, f"request {i}: max_tokens must be a positive integer")
-        runs.setdefault((entry.get("model"), max_tokens), []).append((i, prompt))
+        model = entry.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ApiError(400, f"request {i}: model must be a string or null")
+        runs.setdefault((model, max_tokens), []).append((i, prompt))
     plans = []
     for (model, max_tokens), members in runs.items():
         route = await gateway.models.resolve(model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -36,17 +37,24 @@ def request_id(group: str, index: int) -> str:
     return f"{group}_{index:09d}"
 
 
+# A group is what fresh_group (32 hex digits) or content_group (64) made: nothing else may reach a
+# subject, where "*", ">" or "." would read or wait on other clients' results.
+_GROUP = re.compile(r"[0-9a-f]{32}(?:[0-9a-f]{32})?")
+
+
 def split_request_id(rid: str) -> tuple[str, int]:
     group, _, index = rid.rpartition("_")
-    if not group or not index.isdigit():
-        raise ApiError(400, f"malformed request id {rid!r}: expected <group>_<index>", param="request_ids")
+    if not _GROUP.fullmatch(group) or not index.isdigit() or not index.isascii():
+        raise ApiError(400, f"malformed request id {rid!r}: expected <group>_<index> as this server "
+                            "returned it", param="request_ids")
     return group, int(index)
 
 
 def content_group(payload: Any) -> str:
     """ScalarLM batches are content-addressed: an identical resubmission finds its answers."""
     canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    # surrogatepass: a lone surrogate in a prompt is hashed too (vLLM then refuses the prompt).
+    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def fresh_group() -> str:
