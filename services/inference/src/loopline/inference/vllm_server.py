@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +50,21 @@ class Answer:
         return self.media_type.startswith("text/event-stream")
 
 
+@contextlib.contextmanager
+def _our_log_levels() -> Iterator[None]:
+    """Keep the process's logging as the runtime set it while vLLM's server modules load: one of
+    them (model_hosting_container_standards, for SageMaker) sets the root logger and its handlers to
+    ERROR when imported, which silenced every INFO and WARNING line of the replica after start-up."""
+    root = logging.getLogger()
+    level, handlers = root.level, [(h, h.level) for h in root.handlers]
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+        for handler, handler_level in handlers:
+            handler.setLevel(handler_level)
+
+
 def _vllm_folder(checkpoint_dir: Path, config: dict[str, Any]) -> str:
     """A folder vLLM's LoRA loader reads: the Tokenformer conversion for Tokenformer checkpoints;
     LoRA checkpoints are PEFT folders already and are copied as they are."""
@@ -76,6 +91,10 @@ class VllmServer:
     async def start(self) -> None:
         if on_cpu():
             apply_cpu_env()
+        with _our_log_levels():
+            await self._start()
+
+    async def _start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client_from_engine_args
