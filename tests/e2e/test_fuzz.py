@@ -42,14 +42,18 @@ def fuzz_stack(tmp_path_factory, tiny):
     # (a prefix of a real job would match it), which must not reach another test's work.
     # A short context bounds each case: a valid request that names no max_tokens generates up to the
     # context's end (2048 tokens, 5-15 s here; one operation's valid cases took minutes).
-    stack = make_stack(tmp_path_factory.mktemp("fuzz"), tiny, LOOPLINE_MAX_MODEL_LEN="256")
+    # The embedding model beside it, so the pooling routes reach a vLLM that serves them.
+    stack = make_stack(tmp_path_factory.mktemp("fuzz"), f"{tiny},tiny-embed", LOOPLINE_MAX_MODEL_LEN="256",
+                       LOOPLINE_ADAPTERS__TINY_EMBED="false")
     stack.start()
     yield stack
     stack.stop()
 
 
 def test_no_route_answers_a_5xx_or_an_undocumented_status(fuzz_stack, tmp_path):
-    served = httpx.get(f"{fuzz_stack.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    models = httpx.get(f"{fuzz_stack.url}/v1/models", timeout=30).json()["data"]
+    served = next(m["id"] for m in models if "generate" in m["tasks"])
+    embed = next(m["id"] for m in models if "embed" in m["tasks"])
     reports = tmp_path / "reports"
     command = [
         str(Path(sys.executable).with_name("st")), "run", f"{fuzz_stack.url}/openapi.json",
@@ -58,6 +62,7 @@ def test_no_route_answers_a_5xx_or_an_undocumented_status(fuzz_stack, tmp_path):
         *(arg for path in EXCLUDED for arg in ("--exclude-path", path)),
     ]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "support.fuzz_hooks", "LOOPLINE_FUZZ_MODEL": served,
+           "LOOPLINE_FUZZ_EMBED_MODEL": embed,
            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     # In tmp_path: Hypothesis keeps an example database in the working directory, and one left from
     # an earlier run would be replayed first (the seed alone must decide what is sent).
@@ -66,7 +71,8 @@ def test_no_route_answers_a_5xx_or_an_undocumented_status(fuzz_stack, tmp_path):
     figures = (f"{report['operations']['tested']} operations, {report['test_cases']['generated']} cases, "
                f"{report['test_cases']['with_failures']} failing, {len(report['errors'])} errors")
     print(f"fuzz run: {figures}")
-    replay = (f"SCHEMATHESIS_HOOKS=support.fuzz_hooks LOOPLINE_FUZZ_MODEL={served} PYTHONPATH=tests "
+    replay = (f"SCHEMATHESIS_HOOKS=support.fuzz_hooks LOOPLINE_FUZZ_MODEL={served} "
+              f"LOOPLINE_FUZZ_EMBED_MODEL={embed} PYTHONPATH=tests "
               f"{' '.join(command)}")
     assert run.returncode == 0 and report["complete"], (
         f"{figures}\nreplay (on a running stack): {replay}\n{run.stdout[-20000:]}\n{run.stderr[-2000:]}")
