@@ -150,7 +150,9 @@ class Worker:
                 if msg.metadata.num_delivered < self.max_deliver:
                     await msg.nak(delay=1.0)
                     return
-                result = self._error(item, 500, f"generation failed: {exc}", "server_error")
+                # As a dead letter is: the service failed it, every time; trying later may work.
+                result = self._error(item, 503, f"serving failed on every delivery ({exc}); retry later",
+                                     "server_error")
             span.set_attribute("http.status_code", result.status)
             payload = result.model_dump_json().encode()
             if len(payload) > self.nc.max_payload:
