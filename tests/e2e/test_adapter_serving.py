@@ -155,4 +155,6 @@ def test_replica_started_later_catches_up_and_serves_alone(loop_stack, http, ser
     assert loaded.step == step and loaded.load_s > 0
     stop_proc(loop_stack.inference.pop("r0"))  # now only the late replica can answer
     for prompt, answer in PAIRS:
-        assert complete(http, job, prompt).json()["choices"][0]["text"] == answer
+        reply = complete(http, job, prompt)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == answer

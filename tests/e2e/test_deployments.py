@@ -9,6 +9,7 @@ import json
 
 import httpx
 import pytest
+from transformers.utils import CONFIG_NAME
 
 from loopline.common import subjects
 from loopline.inference.vllm_args import serve_flags
@@ -69,7 +70,7 @@ def test_a_request_naming_no_model_goes_to_the_first(http):
 
 
 def test_embeddings_on_the_embedding_model(http):
-    hidden_size = json.loads((resolve_model(EMBED, MODELS_DIR) / "config.json").read_text())["hidden_size"]
+    hidden_size = json.loads((resolve_model(EMBED, MODELS_DIR) / CONFIG_NAME).read_text())["hidden_size"]
     resp = http.post("/v1/embeddings", json={"model": EMBED, "input": TEXTS})
     assert resp.status_code == 200, resp.text
     answer = resp.json()

@@ -51,7 +51,9 @@ def test_killing_a_replica_mid_batch_loses_nothing(tmp_path, tiny):
     with make_stack(tmp_path, tiny, replicas=2, LOOPLINE_RESPONSE_TIMEOUT_S="1",
                     LOOPLINE_MAX_INFLIGHT="16") as stack:
         prompts = [f"Request {i} of the kill test:" for i in range(100)]
-        ids = submit(stack.url, prompts, max_tokens=48)
+        # Long enough that the batch (~4 waves of 32 on the two replicas) takes seconds: with 48
+        # tokens a wave took ~0.3 s, and the batch could finish between two looks at the store.
+        ids = submit(stack.url, prompts, max_tokens=256)
         group = ids[0].rsplit("_", 1)[0]
         # Wait until both replicas are busy, then kill one while it holds unfinished work.
         deadline = time.monotonic() + 120

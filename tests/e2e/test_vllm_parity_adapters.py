@@ -23,6 +23,7 @@ from e2e.parity_cases import CASES, MODEL, Case, for_model
 from e2e.test_adapter_serving import PAIRS, announce, wait_for
 from e2e.test_vllm_parity import MAX_INFLIGHT, OURS, VLLM_ARGS, assert_same, send
 
+from loopline.common.adapter_format import FROZEN_BASE_TYPES
 from loopline.inference.adapters_vllm import to_vllm_lora
 from loopline.inference.vllm_args import serve_flags
 from loopline.ml.train.checkpoint import latest_checkpoint
@@ -31,7 +32,8 @@ from support.vllm_serve import vllm_serve
 
 pytestmark = pytest.mark.timeout(900)
 
-KINDS = ("lora", "tokenformer")
+# Every adapter kind vLLM serves (a full fine-tune is a model of its own).
+KINDS = FROZEN_BASE_TYPES
 # Short: parity needs an adapter that changes the answers, not one that has learnt them.
 RECIPE = {"max_steps": 10, "learning_rate": 1e-2, "batch_size": 3, "gradient_accumulation_steps": 1,
           "steps_per_checkpoint": 10}

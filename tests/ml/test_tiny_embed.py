@@ -10,6 +10,7 @@ import sys
 import httpx
 import pytest
 import torch
+from transformers.utils import CONFIG_NAME
 
 from loopline.ml.models.resolve import resolve_model
 from loopline.ml.models.tiny import COMPLETE_MARKER, IM_END, IM_START, build_tokenizer
@@ -41,7 +42,7 @@ def _cls_embeddings(model_dir, texts: list[str]) -> torch.Tensor:
 
 def test_tiny_embed_is_deterministic(embed_dir, tmp_path):
     again = build_tiny_embed_model(tmp_path / "again")
-    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"):
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", CONFIG_NAME):
         assert (embed_dir / name).read_bytes() == (again / name).read_bytes(), name
     assert (again / COMPLETE_MARKER).is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again"]
