@@ -65,8 +65,12 @@ class ErrorInfo(BaseModel):
 
     def openai_body(self) -> str:
         """OpenAI's error shape, as vLLM's server writes it."""
-        return json.dumps({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                     "code": self.status}}, ensure_ascii=False)
+        return json.dumps(openai_error(self.status, self.message, self.type, self.param), ensure_ascii=False)
+
+
+def openai_error(status: int, message: str, type: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object, ``{"error": {message, type, param, code}}``, as its clients read it."""
+    return {"error": {"message": message, "type": type, "param": param, "code": status}}
 
 
 class ResultItem(BaseModel):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 
-from loopline.gateway.errors import is_openai_path
+from loopline.gateway.errors import error_body
 
 # Probed by container health checks, which carry no key.
 OPEN_PATHS = ("/v1/health/keepalive",)
@@ -34,10 +34,7 @@ class ApiKeys:
 
     async def _refuse(self, scope, send, why: str):
         message = f"{why}: send 'Authorization: Bearer <key>' with one of this gateway's API keys"
-        openai = is_openai_path(scope["path"])
-        body = {"error": {"message": message, "type": "invalid_api_key", "param": None, "code": 401}} \
-            if openai else {"detail": message}
-        payload = json.dumps(body).encode()
+        payload = json.dumps(error_body(scope["path"], 401, message, type="invalid_api_key")).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(payload)).encode()),

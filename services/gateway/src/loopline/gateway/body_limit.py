@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from loopline.gateway.errors import is_openai_path
+from loopline.gateway.errors import error_body
 
 # Training archives and their chunks are uploads too (the chunk route applies its own, smaller cap).
 UPLOAD_PATHS = ("/v1/generate/upload", "/v1/megatron/train", "/v1/megatron/upload/chunk")
@@ -54,10 +54,7 @@ class BodyLimit:
 
     async def _refuse(self, scope, send, limit: int):
         message = f"the request body is larger than the limit of {limit} bytes"
-        openai = is_openai_path(scope["path"])
-        body = {"error": {"message": message, "type": "request_too_large", "param": None, "code": 413}} \
-            if openai else {"detail": message}
-        payload = json.dumps(body).encode()
+        payload = json.dumps(error_body(scope["path"], 413, message)).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(payload)).encode()),

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loopline.common.schemas import QUEUED_ROUTES
+from loopline.common.schemas import QUEUED_ROUTES, openai_error
 from loopline.common.service_client import ServiceError
 
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
@@ -45,15 +45,18 @@ def is_openai_path(path: str) -> bool:
     return path in QUEUED_ROUTES or path == "/v1/models" or path.startswith("/v1/models/")
 
 
+def error_body(path: str, status: int, message: str, *, param: str | None = None,
+               type: str | None = None) -> dict[str, Any]:
+    """The error as the route's clients read it: OpenAI's shape, or FastAPI's and ScalarLM's."""
+    if is_openai_path(path):
+        return openai_error(status, message, type or _TYPES.get(status, "server_error"), param)
+    return {"detail": message}
+
+
 def error_response(request: Request, status: int, message: str, *, param: str | None = None,
                    type: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    body: dict[str, Any]
-    if is_openai_path(request.url.path):
-        body = {"error": {"message": message, "type": type or _TYPES.get(status, "server_error"),
-                          "param": param, "code": status}}
-    else:
-        body = {"detail": message}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(request.url.path, status, message, param=param, type=type),
+                        status_code=status, headers=headers)
 
 
 def _describe(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
