@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +43,6 @@ class Answer:
     status: int = 500
     media_type: str = "application/json"
     body: bytes = b""
-    events: list[bytes] = field(default_factory=list)
 
     @property
     def streamed(self) -> bool:
@@ -117,8 +116,8 @@ class VllmServer:
     async def call(self, route: str, body: bytes, on_event: Callable[[bytes], Awaitable[None]],
                    *, method: str = "POST", gone: asyncio.Event | None = None) -> Answer:
         """Serve one request through vLLM's app. A streamed response's events go to ``on_event``
-        one by one, as vLLM makes them, and are kept in ``Answer.events``; ``gone``, once set,
-        tells the app its client disconnected (vLLM then aborts the request)."""
+        one by one, as vLLM makes them; ``gone``, once set, tells the app its client disconnected
+        (vLLM then aborts the request)."""
         assert self.app is not None, "start() first"
         answer = Answer()
         parts: list[bytes] = []
@@ -150,7 +149,6 @@ class VllmServer:
                 pending += chunk
                 while (end := pending.find(b"\n\n")) >= 0:
                     event, pending = pending[:end + 2], pending[end + 2:]
-                    answer.events.append(event)
                     await on_event(event)
 
         scope = {
@@ -165,7 +163,6 @@ class VllmServer:
         await self.app(scope, receive, send)
         answer.body = b"".join(parts)
         if pending:
-            answer.events.append(pending)
             await on_event(pending)
         return answer
 

@@ -199,23 +199,25 @@ class Worker:
             body = with_model(body, version.handle.lora_name)
             stamp = VersionStamp(version.handle.lora_name, item.model, f"{version.job_hash}@{version.step}")
         subject = subjects.token_stream(item.request_id) if item.stream else None
-        seq = 0
+        transcript: list[bytes] = []  # a stream's events as the client gets them (stamped)
 
         async def on_event(event: bytes) -> None:
-            nonlocal seq
+            if stamp is not None:
+                event = stamp.apply(event)
             if subject is not None:
                 # Core NATS, fire and forget: the durable answer is the result's transcript.
-                await self.nc.publish(subject, stream_event(seq, stamp.apply(event) if stamp else event))
-            seq += 1
+                await self.nc.publish(subject, stream_event(len(transcript), event))
+            transcript.append(event)
 
         gone = self.gone[item.request_id] = asyncio.Event()
         try:
             answer = await self.server.call(item.route, body, on_event, gone=gone)
         finally:
             self.gone.pop(item.request_id, None)
-        raw = b"".join(answer.events) if answer.streamed else answer.body
-        if stamp is not None:
-            raw = stamp.apply(raw)
+        if answer.streamed:
+            raw = b"".join(transcript)
+        else:
+            raw = stamp.apply(answer.body) if stamp is not None else answer.body
         text = raw.decode("utf-8", "replace")
         prompt_tokens, completion_tokens = usage_of(raw, answer.streamed)
         return ResultItem(
