@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NoKeysError
@@ -17,19 +18,24 @@ class _Entry:
 
 
 class _FlakyBucket:
-    """Stands in for the MODELS bucket: answers, times out, or holds nothing, as told."""
+    """Stands in for the MODELS bucket: answers, times out, holds nothing, or has nats-py's keys()
+    say "no keys" while it holds some (its watcher's race under load), as told."""
 
     def __init__(self, infos: list[DeploymentInfo]):
         self.infos = {i.deployment: i for i in infos}
         self.fail_keys = False
         self.fail_get = False
+        self.no_keys_said = False
 
     async def keys(self):
         if self.fail_keys:
             raise NatsTimeoutError()
-        if not self.infos:
+        if not self.infos or self.no_keys_said:
             raise NoKeysError()
         return list(self.infos)
+
+    async def status(self):
+        return SimpleNamespace(values=len(self.infos))
 
     async def get(self, key):
         if self.fail_get:
@@ -53,10 +59,13 @@ def test_failed_reads_keep_the_known_models_and_an_empty_bucket_empties_them():
         bucket.fail_keys, bucket.fail_get = False, True
         await directory.refresh()
         seen.append(set(directory.served))
-        bucket.fail_get = False
+        bucket.fail_get, bucket.no_keys_said = False, True  # emptied the registry under CI load
+        await directory.refresh()
+        seen.append(set(directory.served))
+        bucket.no_keys_said = False
         bucket.infos = {}  # the replica is gone for good
         await directory.refresh()
         seen.append(set(directory.served))
         return seen
 
-    assert asyncio.run(scenario()) == [{"tiny"}, {"tiny"}, {"tiny"}, set()]
+    assert asyncio.run(scenario()) == [{"tiny"}, {"tiny"}, {"tiny"}, {"tiny"}, set()]

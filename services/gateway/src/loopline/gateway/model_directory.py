@@ -74,6 +74,12 @@ class ModelDirectory:
         try:
             keys = await self.bucket.keys()
         except NoKeysError:
+            # nats-py's keys() can say "none" while the bucket has some: its watcher signals the
+            # end when the consumer has nothing pending but before the delivered messages are
+            # counted, which happens under load. Believe "none" only when the bucket holds nothing:
+            # emptying the registry answered every request 404 for a refresh interval.
+            if await self._holds_values():
+                return
             keys = []
         except Exception as exc:  # noqa: BLE001 - keep the last known registry
             log.debug("model refresh failed: %s", exc)
@@ -93,6 +99,15 @@ class ModelDirectory:
                 info = kept
             served[info.model] = info
         self.served = served
+
+    async def _holds_values(self) -> bool:
+        """Whether MODELS holds any entry (or cannot say: then assume it does)."""
+        assert self.bucket is not None, "start() first"
+        try:
+            return (await self.bucket.status()).values > 0
+        except Exception as exc:  # noqa: BLE001 - NATS busy: keep what we knew
+            log.debug("model bucket status failed: %s", exc)
+            return True
 
     async def run(self, stopping: asyncio.Event) -> None:
         """The ``models`` loop: re-read the bucket every MODELS_REFRESH_S until told to stop."""
