@@ -1,0 +1,79 @@
+"""A forward_backward call's data as padded tensors, split into micro-batches that fit in memory.
+
+Every Tinker loss is a sum over tokens, so a call can run in any grouping: each micro-batch's
+backward adds its part of the gradient, and the parts sum to the whole call's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .losses import TARGETS, Loss, fill_value
+from .types import Datum
+
+# The logits of a micro-batch (tokens x vocab, float32) are its largest tensor, and their gradient
+# doubles it: budget about 1 GiB for them. The tiny model (vocab 1024) fits 262k tokens, a
+# 152k-vocab Qwen about 1.7k; a datum longer than the budget runs alone.
+LOGITS_BUDGET_BYTES = 1 << 30
+
+
+def default_micro_batch_tokens(vocab_size: int) -> int:
+    return max(1, LOGITS_BUDGET_BYTES // (4 * vocab_size))
+
+
+def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Datum indices grouped so that (datums x longest) <= max_tokens, longest first (less padding);
+    every index appears exactly once."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    # Invariant: each finished group fits the budget or holds a single datum; the group being
+    # filled is groups[-1], whose longest datum is its first (the order is by falling length).
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+@dataclass
+class Batch:
+    indices: list[int]  # which datums of the call, in row order
+    lengths: list[int]
+    input_ids: Tensor  # (b, T) int64, right-padded with 0
+    attention_mask: Tensor  # (b, T) int64, 1 on real tokens
+    targets: Tensor  # (b, T) int64
+    inputs: dict[str, Tensor]  # the loss's other inputs, (b, T) float32
+
+    @property
+    def real(self) -> Tensor:
+        return self.attention_mask.bool()
+
+
+def build(indices: list[int], data: list[Datum], arrays: list[dict[str, np.ndarray]], loss: Loss,
+          config: dict[str, float], device: torch.device) -> Batch:
+    """Right padding: with a causal model a real token never attends to a pad after it, so each row
+    computes exactly what it would alone."""
+    lengths = [len(data[i].tokens) for i in indices]
+    rows, width = len(indices), max(lengths)
+    ids = np.zeros((rows, width), dtype=np.int64)
+    attention = np.zeros((rows, width), dtype=np.int64)
+    targets = np.zeros((rows, width), dtype=np.int64)
+    keys = [k for k in (*loss.required, *loss.optional) if k != TARGETS]
+    inputs = {k: np.zeros((rows, width), dtype=np.float32) for k in keys}
+    for row, (i, n) in enumerate(zip(indices, lengths, strict=True)):
+        ids[row, :n] = data[i].tokens
+        attention[row, :n] = 1
+        targets[row, :n] = arrays[i][TARGETS]
+        for key in keys:
+            inputs[key][row, :n] = arrays[i][key] if key in arrays[i] else fill_value(loss, config, key)
+
+    def tensor(a: np.ndarray) -> Tensor:
+        return torch.from_numpy(a).to(device)
+
+    return Batch(indices, lengths, tensor(ids), tensor(attention), tensor(targets),
+                 {k: tensor(v) for k, v in inputs.items()})

@@ -1,0 +1,243 @@
+"""The session worker's compute: one base model resident, and on it many Tinker training clients,
+each a LoRA adapter with its own AdamW optimizer and step count (multi-tenant).
+
+A client's gradients accumulate over its ``forward_backward`` calls until its ``optim_step``;
+clients never share a parameter, so interleaving two clients' calls never mixes their gradients.
+One lock serialises the calls: the active adapter is state of the shared model.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from loopline.common.tinker_names import model_key
+from loopline.common.tinker_schemas import LoraSpec
+from loopline.ml.adapters.io import read_tensors, write_adapter
+
+from . import adapter_files, lora_layers
+from .batching import build, default_micro_batch_tokens, micro_batches
+from .losses import check_data, resolve
+from .types import AdamParams, Datum, PassResult, UserError
+
+
+class ResidentBase:
+    """A Hugging Face causal LM loaded once from a folder, float32, frozen, in eval mode (no
+    dropout: a forward pass gives the same log-probabilities as sampling would)."""
+
+    def __init__(self, path: str | Path, device: str | None = None):
+        from transformers import AutoModelForCausalLM
+
+        self.path = str(path)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32, device_map=self.device)
+        model.eval().requires_grad_(False)
+        self.model = model
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_tokens: int | None = getattr(model.config, "max_position_embeddings", None)
+
+
+@dataclass
+class Client:
+    adapter: str  # its name inside the wrapped layers
+    spec: LoraSpec
+    targets: list[str]  # module names it adapts (PEFT's resolved target_modules)
+    names: list[str]  # its tensors' saved names, in the optimizer's order
+    params: list[nn.Parameter]
+    optimizer: torch.optim.AdamW
+    steps: int = 0
+
+
+class TrainingClients:
+    def __init__(self, base: ResidentBase | str | Path, *, micro_batch_tokens: int | None = None):
+        self.base = base if isinstance(base, ResidentBase) else ResidentBase(base)
+        self.layers = lora_layers.wrap_targets(self.base.model)
+        self.micro_batch_tokens = micro_batch_tokens or default_micro_batch_tokens(self.base.vocab_size)
+        self._clients: dict[str, Client] = {}
+        self._lock = threading.Lock()
+
+    # --- clients ---------------------------------------------------------------------------------
+    def models(self) -> list[str]:
+        return list(self._clients)
+
+    def step_count(self, model_id: str) -> int:
+        return self._client(model_id).steps
+
+    def create(self, model_id: str, lora: LoraSpec) -> None:
+        """A fresh adapter (B = 0: the base model) seeded by ``lora.seed``. Creating a model that
+        exists with the same LoraSpec does nothing (a redelivered create_model)."""
+        with self._lock:
+            existing = self._clients.get(model_id)
+            if existing is not None:
+                if existing.spec != lora:
+                    raise UserError(f"model {model_id} exists already, with another LoRA config")
+                return
+            self._add(model_id, lora)
+
+    def drop(self, model_id: str) -> None:
+        with self._lock:
+            client = self._clients.pop(model_id, None)
+            if client is not None:
+                for layer in self.layers.values():
+                    layer.remove(client.adapter)
+
+    def _add(self, model_id: str, lora: LoraSpec) -> Client:
+        leaves = lora_layers.target_leaves(lora)
+        paths = sorted(p for p in self.layers if p.rsplit(".", 1)[-1] in leaves)
+        absent = sorted(set(leaves) - {p.rsplit(".", 1)[-1] for p in paths})
+        if absent:
+            raise UserError(f"the base model has no linear layers named {absent}: this LoRA config "
+                            "does not fit it")
+        seed = lora.seed if lora.seed is not None else secrets.randbits(63)
+        generator = torch.Generator().manual_seed(seed)
+        adapter = model_key(model_id)
+        names: list[str] = []
+        params: list[nn.Parameter] = []
+        # Invariant: names and params list the A and B of paths[:k], in that order (the optimizer's
+        # order, which its saved state relies on), and A's draw from one generator in path order.
+        for path in paths:
+            a, b = self.layers[path].add(adapter, lora.rank, generator)
+            names.extend(lora_layers.peft_names(path))
+            params.extend([a, b])
+        client = Client(adapter, lora, sorted({p.rsplit(".", 1)[-1] for p in paths}), names, params,
+                        torch.optim.AdamW(params, lr=0.0))
+        self._clients[model_id] = client
+        return client
+
+    def _client(self, model_id: str) -> Client:
+        client = self._clients.get(model_id)
+        if client is None:
+            raise UserError(f"model {model_id} is not loaded on this worker")
+        return client
+
+    # --- passes ----------------------------------------------------------------------------------
+    def forward_backward(self, model_id: str, data: list[Datum], loss_fn: str,
+                         loss_fn_config: dict[str, Any] | None = None,
+                         forward_only: bool = False) -> PassResult:
+        """The loss summed over every target token of every datum; unless ``forward_only``, its
+        gradient is added to the client's (which ``optim_step`` consumes)."""
+        loss, config = resolve(loss_fn, loss_fn_config)
+        arrays = check_data(loss, data, self.base.vocab_size, self.base.max_tokens)
+        outputs: list[dict[str, np.ndarray]] = [{} for _ in data]
+        total = 0.0
+        with self._lock:
+            client = self._client(model_id)
+            # A call that fails half-way (out of memory in its third micro-batch) must add nothing:
+            # the SDK may send it again. An adapter's gradients are small enough to copy.
+            before = None if forward_only else [None if p.grad is None else p.grad.clone()
+                                                 for p in client.params]
+            lora_layers.set_active(self.layers, client.adapter)
+            try:
+                # Invariant: total and outputs hold the datums of the groups done so far, and the
+                # client's gradients have had exactly their part added.
+                for group in micro_batches([len(d.tokens) for d in data], self.micro_batch_tokens):
+                    batch = build(group, data, arrays, loss, config, self.base.device)
+                    with torch.set_grad_enabled(not forward_only):
+                        logits = self.base.model(input_ids=batch.input_ids,
+                                                 attention_mask=batch.attention_mask).logits
+                        logprobs = -F.cross_entropy(logits.transpose(1, 2), batch.targets, reduction="none")
+                        per_token = loss.per_token(logprobs, batch.inputs, config)
+                        summed = torch.where(batch.real, per_token, 0.0).sum()
+                        if not forward_only:
+                            summed.backward()
+                    total += float(summed.detach())
+                    rows = logprobs.detach().float().cpu().numpy()
+                    for row, (i, n) in enumerate(zip(batch.indices, batch.lengths, strict=True)):
+                        outputs[i] = {"logprobs": rows[row, :n].copy()}
+            except BaseException:
+                if before is not None:
+                    for param, grad in zip(client.params, before, strict=True):
+                        param.grad = grad
+                raise
+            finally:
+                lora_layers.set_active(self.layers, None)
+        return PassResult(outputs, {"loss:sum": total})
+
+    def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
+        """One AdamW step on the gradients accumulated since the last, then clears them."""
+        _check_adam(params)
+        with self._lock:
+            client = self._client(model_id)
+            # clip_grad_norm_ returns the norm before clipping; max_norm=inf only measures it.
+            max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else math.inf
+            norm = float(torch.nn.utils.clip_grad_norm_(client.params, max_norm))
+            for group in client.optimizer.param_groups:
+                group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
+                             weight_decay=params.weight_decay)
+            client.optimizer.step()
+            client.optimizer.zero_grad(set_to_none=True)
+            client.steps += 1
+        return {"grad_norm:mean": norm, "learning_rate:mean": params.learning_rate}
+
+    # --- saves -----------------------------------------------------------------------------------
+    def save_adapter(self, model_id: str, out_dir: Path, base_model: str) -> None:
+        """Our adapter format (a PEFT LoRA folder) into the existing empty ``out_dir``."""
+        with self._lock:
+            client = self._client(model_id)
+            tensors = lora_layers.tensor_dict(self.layers, client.adapter)
+        write_adapter(Path(out_dir), adapter_files.adapter_config(client.spec, client.targets, base_model),
+                      tensors)
+
+    def save_state(self, model_id: str, out_dir: Path) -> None:
+        """The adapter, its LoraSpec, and the optimizer's state and step count."""
+        out_dir = Path(out_dir)
+        self.save_adapter(model_id, out_dir, self.base.path)
+        with self._lock:
+            client = self._client(model_id)
+            adapter_files.write_spec(out_dir, client.spec)
+            adapter_files.write_optimizer(out_dir, client.optimizer, client.steps, client.names)
+
+    def load_state(self, model_id: str, folder: Path, with_optimizer: bool,
+                   lora: LoraSpec | None = None) -> None:
+        """Load a save into the model, creating it if absent (with the checkpoint's own LoraSpec,
+        else ``lora``). Without the optimizer, AdamW starts afresh and the step count stays (0 for
+        a new model); with it, both are the checkpoint's. Pending gradients are dropped."""
+        folder = Path(folder)
+        spec = adapter_files.read_spec(folder) if folder.is_dir() else lora
+        if spec is None or not folder.is_dir():
+            raise UserError(f"no checkpoint folder {folder.name}")
+        tensors = read_tensors(folder)
+        with self._lock:
+            client = self._clients.get(model_id)
+            created = client is None
+            if client is None:
+                client = self._add(model_id, spec)
+            elif (client.spec.rank, lora_layers.target_leaves(client.spec)) != (
+                    spec.rank, lora_layers.target_leaves(spec)):
+                raise UserError(f"the checkpoint is a rank-{spec.rank} LoRA of other modules than model "
+                                f"{model_id} (rank {client.spec.rank}): it cannot be loaded into it")
+            try:
+                # Everything is read and checked before the model changes: a refused load leaves it as
+                # it was.
+                saved = adapter_files.read_optimizer(folder, client.names) if with_optimizer else None
+                lora_layers.load_tensors(self.layers, client.adapter, tensors)
+                client.optimizer = torch.optim.AdamW(client.params, lr=0.0)
+                if saved is not None:
+                    client.optimizer.load_state_dict(saved[0])
+                    client.steps = saved[1]
+                for param in client.params:
+                    param.grad = None
+            except BaseException:
+                if created:  # a model made for this load does not outlive its failure
+                    self._clients.pop(model_id, None)
+                    for layer in self.layers.values():
+                        layer.remove(client.adapter)
+                raise
+
+
+def _check_adam(params: AdamParams) -> None:
+    values = {"learning_rate": params.learning_rate, "beta1": params.beta1, "beta2": params.beta2,
+              "eps": params.eps, "weight_decay": params.weight_decay, "grad_clip_norm": params.grad_clip_norm}
+    bad = [k for k, v in values.items() if not math.isfinite(v) or v < 0]
+    if bad or params.beta1 >= 1 or params.beta2 >= 1:
+        raise UserError(f"adam_params: {bad or ['beta1', 'beta2']} out of range (all finite, >= 0; "
+                        "betas < 1)")

@@ -1,0 +1,114 @@
+"""Tinker's losses on hand-made numbers (values and gradient signs), and what a call may send them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from loopline.ml.tinker.losses import LOSSES, check_data, resolve
+from loopline.ml.tinker.types import Datum, UserError
+
+
+def _run(name: str, lp: list[float], s: list[float], adv: list[float], config: dict | None = None):
+    """Loss value and d loss / d lp for per-token learner logprobs ``lp``."""
+    loss, cfg = resolve(name, config)
+    lp_t = torch.tensor(lp, requires_grad=True)
+    x = {"logprobs": torch.tensor(s), "advantages": torch.tensor(adv),
+         "clip_low_threshold": torch.full((len(lp),), cfg.get("clip_low_threshold", 0.0)),
+         "clip_high_threshold": torch.full((len(lp),), cfg.get("clip_high_threshold", 0.0))}
+    total = loss.per_token(lp_t, x, cfg).sum()
+    total.backward()
+    assert lp_t.grad is not None
+    return total.item(), lp_t.grad.tolist()
+
+
+def test_cross_entropy_is_a_weighted_sum_of_negative_logprobs():
+    loss, cfg = resolve("cross_entropy", None)
+    lp = torch.tensor([-1.0, -2.0, -3.0])
+    assert loss.per_token(lp, {"weights": torch.tensor([0.0, 1.0, 0.5])}, cfg).sum().item() == 3.5
+
+
+def test_importance_sampling_value_and_direction():
+    value, grad = _run("importance_sampling", [-1.0, -2.0], [-1.5, -2.0], [2.0, -1.0])
+    assert value == pytest.approx(-(math.exp(0.5) * 2.0) + 1.0)
+    # Descent raises the logprob of a token with positive advantage and lowers a negative one's.
+    assert grad == pytest.approx([-2.0 * math.exp(0.5), 1.0])
+
+
+def test_ppo_clips_the_ratio_where_it_would_push_further():
+    low, high = 0.8, 1.2
+    lp = [math.log(1.5), math.log(1.0), math.log(0.5), math.log(0.5)]
+    adv = [1.0, 1.0, 1.0, -1.0]
+    value, grad = _run("ppo", lp, [0.0] * 4, adv)
+    # ratio 1.5, A > 0: clipped to 1.2, no gradient; ratio 1: plain IS; ratio 0.5, A > 0: the
+    # unclipped term is smaller, kept (gradient flows); ratio 0.5, A < 0: clipped to 0.8, no gradient.
+    assert value == pytest.approx(-(high * 1 + 1.0 + 0.5 - low))
+    assert grad == pytest.approx([0.0, -1.0, -0.5, 0.0])
+    value, _ = _run("ppo", lp, [0.0] * 4, adv, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})
+    assert value == pytest.approx(-(1.1 + 1.0 + 0.5 - 0.9))
+
+
+def test_cispo_weights_logp_by_a_clipped_ratio_without_its_gradient():
+    lp = [math.log(2.0), math.log(0.9)]
+    value, grad = _run("cispo", lp, [0.0, 0.0], [1.0, -2.0])
+    assert value == pytest.approx(-(1.2 * lp[0] * 1.0 + 0.9 * lp[1] * -2.0))
+    assert grad == pytest.approx([-1.2, 1.8])  # the clipped ratio times the advantage, no more
+
+
+def test_dro_adds_a_quadratic_penalty_towards_the_sampler():
+    value, grad = _run("dro", [-1.0, -1.0], [-2.0, -1.0], [0.0, 1.0], {"beta": 0.5})
+    assert value == pytest.approx(0.5 * 0.5 * 1.0 + 1.0)
+    # The first token has no advantage: only the penalty pulls it back down towards the sampler.
+    assert grad == pytest.approx([0.5, -1.0])
+
+
+@pytest.mark.parametrize(("loss_fn", "config", "message"), [
+    ("mse", None, "unknown loss_fn 'mse'"),
+    ("gspo", None, "not implemented"),
+    ("ppo", {"clip": 0.2}, "unknown key(s) ['clip']"),
+    ("cross_entropy", {"beta": 1.0}, "it takes none"),
+    ("dro", None, "dro needs loss_fn_config['beta']"),
+    ("ppo", {"clip_low_threshold": 1.5}, "clip_low_threshold <= clip_high_threshold"),
+    ("cispo", {"clip_high_threshold": "big"}, "must be a finite number"),
+    ("dro", {"beta": -1.0}, "beta"),
+])
+def test_bad_loss_or_config_is_a_user_error(loss_fn, config, message):
+    with pytest.raises(UserError) as caught:
+        resolve(loss_fn, config)
+    assert message in str(caught.value)
+
+
+def _datum(n: int = 3, **inputs) -> Datum:
+    return Datum(list(range(1, n + 1)), {k: np.asarray(v) for k, v in inputs.items()})
+
+
+@pytest.mark.parametrize(("loss_fn", "datum", "message"), [
+    ("cross_entropy", _datum(weights=[1.0, 1.0, 1.0]), "needs loss_fn_inputs ['target_tokens']"),
+    ("importance_sampling", _datum(target_tokens=[1, 2, 3], advantages=[1.0] * 3), "['logprobs']"),
+    ("importance_sampling", _datum(target_tokens=[1, 2, 3], logprobs=[0.0] * 3, advantages=[0.0] * 3,
+                                   mask=[1.0] * 3), "takes no input(s) ['mask']"),
+    ("dro", _datum(target_tokens=[1, 2, 3], logprobs=[0.0] * 3, advantages=[0.0] * 3,
+                   weights=[1.0] * 3), "takes no input(s) ['weights']"),
+    ("cross_entropy", _datum(target_tokens=[1, 2]), "has shape (2,)"),
+    ("cross_entropy", _datum(target_tokens=[1, 2, 5000]), "[0, 1024)"),
+    ("cross_entropy", _datum(target_tokens=[1, 2, 3], weights=[1.0, float("nan"), 1.0]), "finite"),
+    ("cross_entropy", Datum([], {}), "no tokens"),
+])
+def test_bad_inputs_are_user_errors_naming_the_input(loss_fn, datum, message):
+    with pytest.raises(UserError) as caught:
+        check_data(LOSSES[loss_fn], [datum], vocab_size=1024, max_tokens=None)
+    assert message in str(caught.value)
+    assert "datum 0" in str(caught.value)
+
+
+def test_inputs_come_back_typed():
+    [arrays] = check_data(LOSSES["cross_entropy"], [_datum(target_tokens=[1, 2, 3], weights=[0, 1, 1])],
+                          vocab_size=1024, max_tokens=8)
+    assert arrays["target_tokens"].dtype == np.int64 and arrays["weights"].dtype == np.float32
+    with pytest.raises(UserError, match="at least one datum"):
+        check_data(LOSSES["cross_entropy"], [], vocab_size=1024, max_tokens=8)
+    with pytest.raises(UserError, match="more than the model's 2"):
+        check_data(LOSSES["cross_entropy"], [_datum(target_tokens=[1, 2, 3])], vocab_size=1024, max_tokens=2)
