@@ -154,11 +154,55 @@ async def ensure_topology(js: JetStreamContext, *, max_work_msgs: int = 1_000_00
             duplicate_window=DEDUPE_WINDOW_S,
         ),
     )
+    await ensure_tinker_topology(js)
     for bucket in (subjects.DATASETS_BUCKET, subjects.ADAPTERS_BUCKET):
         try:
             await js.object_store(bucket)
         except Exception:  # noqa: BLE001 - nats-py raises several kinds for "no such bucket"
             await js.create_object_store(bucket, ObjectStoreConfig(storage=StorageType.FILE))
+
+
+async def ensure_tinker_topology(js: JetStreamContext) -> None:
+    """The Tinker API's streams and buckets (subjects.py says what each holds)."""
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.TINKER_CALLS_STREAM,
+            subjects=[subjects.TINKER_CALLS_ALL],
+            # A call lives until its worker has answered it: what is left belongs to no answer yet,
+            # and is what the trainer fails when the worker dies.
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            max_age=RESULTS_MAX_AGE_S,
+            # An SDK retry of one call has the same request id (tinker_names.request_id).
+            duplicate_window=DEDUPE_WINDOW_S,
+        ),
+    )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=subjects.TINKER_FUTURES_STREAM,
+            subjects=[subjects.TINKER_FUTURES_ALL],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=RESULTS_MAX_AGE_S,
+            max_msgs_per_subject=1,
+            duplicate_window=DEDUPE_WINDOW_S,
+            allow_direct=True,
+        ),
+    )
+    for bucket in (subjects.TINKER_SESSIONS_BUCKET, subjects.TINKER_MODELS_BUCKET,
+                   subjects.TINKER_WORKERS_BUCKET, subjects.TINKER_SAMPLERS_BUCKET,
+                   subjects.TINKER_CHECKPOINTS_BUCKET):
+        try:
+            await js.key_value(bucket)
+        except NotFoundError:
+            await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, storage=StorageType.FILE))
+    try:
+        await js.object_store(subjects.TINKER_BLOBS_BUCKET)
+    except Exception:  # noqa: BLE001 - nats-py raises several kinds for "no such bucket"
+        await js.create_object_store(subjects.TINKER_BLOBS_BUCKET, ObjectStoreConfig(
+            storage=StorageType.FILE, ttl=RESULTS_MAX_AGE_S))
 
 
 async def _ensure_consumer(js: JetStreamContext, stream: str, durable: str, subject: str, **kw) -> None:

@@ -7,6 +7,8 @@ nothing is left behind.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import signal
@@ -146,3 +148,37 @@ def kill(proc: Proc) -> None:
     except ProcessLookupError:
         pass
     proc.popen.wait()
+
+
+def stop_local_runs(runs_dir: Path, timeout_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL, every run the trainer's local launcher left running under
+    ``runs_dir`` (its ``<run>.json`` records: pid and the process's start time, so a reused pid is
+    never signalled)."""
+    alive = []
+    for record_file in sorted(runs_dir.glob("*.json")) if runs_dir.is_dir() else []:
+        try:
+            record = json.loads(record_file.read_text())
+            pid, start = int(record["pid"]), str(record["start"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if _start_time(pid) == start:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGTERM)
+            alive.append((pid, start))
+    deadline = time.monotonic() + timeout_s
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [(pid, start) for pid, start in alive if _start_time(pid) == start]
+    for pid, _ in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (field 22 of /proc/<pid>/stat), as the local launcher records it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] == "Z" else fields[19]

@@ -155,6 +155,10 @@ class DeploymentInfo(BaseModel):
     # What vLLM serves this model for (its supported tasks: "generate", "embed", ...).
     tasks: list[str] = Field(default_factory=lambda: ["generate"])
     created_at: float = Field(default_factory=time.time)
+    # The folder the replicas load (a Tinker client may name the base model by it), and the largest
+    # adapter rank they serve (a Tinker training client asking for more is refused up front).
+    model_path: str | None = None
+    max_adapter_rank: int | None = None
 
 
 class BatchManifest(BaseModel):

@@ -93,6 +93,10 @@ class GatewaySettings(CommonSettings):
         "The largest chunk of ScalarLM's chunked training upload."))
     upload_ttl_s: float = Field(default=6 * 3600, description=(
         "An unfinished chunked upload is deleted after this long."))
+    # The tinker SDK gives up on one poll after 45 s and then backs off; it re-polls at once after
+    # a try_again, so the gateway holds a poll for less than that and answers try_again.
+    tinker_poll_s: float = Field(default=30.0, gt=0, lt=45, description=(
+        "How long a Tinker `retrieve_future` is held before it is answered `try_again`."))
     # Long enough for a submit, which reads the dataset back and calls sbatch.
     trainer_timeout_s: float = Field(default=30.0, description=(
         "How long a request to the trainer may take before the gateway answers 504."))
@@ -200,6 +204,11 @@ class TrainerSettings(CommonSettings):
         "`--job-dir DIR` is appended."))
     model: str = Field(default=DEFAULT_MODEL, description=(
         "the model a job adapts when its params name no `llm_name`"))
+    tinker_idle_ttl_s: float = Field(default=1800.0, gt=0, description=(
+        "A Tinker training client idle this long is released (its state is lost unless saved); a "
+        "session worker left with none exits, freeing its Slurm allocation."))
+    tinker_worker_command: str | None = Field(default=None, description=(
+        "Replaces `python -m loopline.ml.tinker` in a session worker's entrypoint."))
 
     @property
     def jobs_dir(self) -> Path:
@@ -224,6 +233,31 @@ class CheckpointWatcherSettings(CommonSettings):
     # Full-weight checkpoints of a large model do not belong in the message bus.
     max_adapter_bytes: int = Field(default=2 * GiB, gt=0, description=(
         "A checkpoint whose adapter file is larger is rejected."))
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.jobs_path or self.state_dir / "jobs"
+
+
+class TinkerWorkerSettings(CommonSettings):
+    """A session worker's, written into its entrypoint by the trainer."""
+
+    tinker_worker_id: str = Field(default="", description="The session worker's id (set by the trainer).")
+    tinker_base_model: str = Field(default="", description=(
+        "The served model the session worker trains adapters of (set by the trainer)."))
+    tinker_model_path: str = Field(default="", description=(
+        "The folder the session worker loads that model from (set by the trainer)."))
+    jobs_path: Path | None = Field(default=None, validation_alias="LOOPLINE_JOBS_DIR",
+                                   json_schema_extra=unset_means("`$LOOPLINE_STATE_DIR/jobs`"),
+                                   description=JOBS_DIR_DESCRIPTION)
+    tinker_idle_ttl_s: float = Field(default=1800.0, gt=0, description=(
+        "A training client idle this long is released; the worker exits when none is left."))
+    tinker_gap_timeout_s: float = Field(default=30.0, gt=0, description=(
+        "How long a model's calls wait for a missing earlier `seq_id` before running without it."))
+    tinker_announce_timeout_s: float = Field(default=120.0, gt=0, description=(
+        "How long a sampler save waits for the checkpoint-watcher's announcement before failing."))
+    heartbeat_s: float = Field(default=2.0, gt=0, description=(
+        "How often the session worker records that it is alive."))
 
     @property
     def jobs_dir(self) -> Path:

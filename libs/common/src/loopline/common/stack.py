@@ -244,11 +244,15 @@ class LocalStack:
         return [p for p in self.procs() if not p.alive()]
 
     def stop(self) -> None:
-        """Stop the services first (they drain), NATS last."""
+        """Stop the services first (they drain), then what the local launcher still runs for the
+        trainer (Tinker session workers, unfinished jobs: each in a session of its own), NATS last."""
         for proc in (self.gateway, *self.inference.values(), self.checkpoint_watcher, self.trainer,
-                     self.queue, self.nats):
+                     self.queue):
             if proc is not None:
                 launcher.stop(proc)
+        launcher.stop_local_runs(self.jobs_dir / ".local-runs")
+        if self.nats is not None:
+            launcher.stop(self.nats)
 
     def __enter__(self) -> LocalStack:
         return self.start()

@@ -138,6 +138,54 @@ def max_deliveries_advisory(stream: str = WORK_STREAM, consumer: str = "*") -> s
     return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}"
 
 
+# --- Tinker API: step-level training sessions ---------------------------------------------------
+# Each session worker (one resident base model, many LoRA training clients) reads its calls from
+# ``tinker.calls.<worker>``: work-queue retention, so what is left there is what it has not done.
+TINKER_CALLS_STREAM = "TINKER_CALLS"
+TINKER_CALLS_ALL = "tinker.calls.>"
+# One message per training future (``tinker.futures.<request id>``): the result the worker made,
+# read by any gateway with get-last-by-subject, and heard at once by a gateway long-polling it.
+TINKER_FUTURES_STREAM = "TINKER_FUTURES"
+TINKER_FUTURES_ALL = "tinker.futures.>"
+# Bodies and results too large for one NATS message (a forward_backward chunk may be 5 MB).
+TINKER_BLOBS_BUCKET = "tinker-blobs"
+# session id -> TinkerSession; model key -> TinkerModel; worker id -> TinkerWorker;
+# sampling session id -> TinkerSampler; checkpoint key -> TinkerCheckpoint.
+TINKER_SESSIONS_BUCKET = "TINKER_SESSIONS"
+TINKER_MODELS_BUCKET = "TINKER_MODELS"
+TINKER_WORKERS_BUCKET = "TINKER_WORKERS"
+TINKER_SAMPLERS_BUCKET = "TINKER_SAMPLERS"
+TINKER_CHECKPOINTS_BUCKET = "TINKER_CHECKPOINTS"
+
+
+def tinker_calls(worker_id: str) -> str:
+    """What one session worker consumes, in the order the gateway published it."""
+    return f"tinker.calls.{worker_id}"
+
+
+def tinker_future(request_id: str) -> str:
+    return f"tinker.futures.{request_id}"
+
+
+def tinker_sample_request(request_id: str) -> str:
+    """The SDK's sample request, kept beside its future: what its vLLM answer is turned into."""
+    return f"tinker.futures.{request_id}.request"
+
+
+def tinker_calls_durable(worker_id: str) -> str:
+    return f"tinker-worker-{worker_id}"
+
+
+SESSION_EVENTS_ALL = "events.sessions.>"
+SESSION_EVENT_KINDS = ("created", "step", "saved", "released", "failed")
+
+
+def session_event(worker_id: str, kind: str) -> str:
+    """``events.sessions.<worker>.<kind>``: a session worker's models created, stepped, saved,
+    released, or the worker failed."""
+    return f"events.sessions.{worker_id}.{kind}"
+
+
 # --- request-reply services (nats.micro) -----------------------------------------------------------
 QUEUE_SERVICE = "loopline-queue"
 INFERENCE_SERVICE = "loopline-inference"
@@ -161,6 +209,9 @@ SVC_TRAINER_LOGS = "svc.trainer.logs"          # LogsRequest -> LogLines
 SVC_TRAINER_SQUEUE = "svc.trainer.squeue"      # {} -> SqueueReply
 SVC_TRAINER_CLUSTER = "svc.trainer.cluster"    # {} -> ClusterInfo
 SVC_TRAINER_STATUS = "svc.trainer.status"      # {} -> ServiceStatus
+# Tinker: a training client's model placed on a session worker (started when none serves its base).
+SVC_TRAINER_TINKER_PLACE = "svc.trainer.tinker_place"      # PlaceModel -> TinkerModel
+SVC_TRAINER_TINKER_WORKERS = "svc.trainer.tinker_workers"  # {} -> TinkerWorkerList
 SVC_CHECKPOINT_WATCHER_STATUS = "svc.checkpoint_watcher.status"  # {} -> ServiceStatus
 SVC_GATEWAY_STATUS = "svc.gateway.status"      # {} -> ServiceStatus
 

@@ -47,6 +47,13 @@ def flags_of(settings: InferenceSettings, model_path: str) -> list[str]:
                        max_adapter_rank=settings.max_adapter_rank, extra=settings.vllm_args)
 
 
+def _absolute(model_path: str) -> str:
+    """A local folder as an absolute path (what a Tinker client on this host may name it by); a
+    Hub id as it is."""
+    folder = Path(model_path)
+    return str(folder.resolve()) if folder.is_dir() else model_path
+
+
 async def run(rt: Runtime, settings: InferenceSettings) -> None:
     # 1. Start vLLM's own OpenAI server in-process (a signal meanwhile cancels the start: the
     # runtime), with the flags `vllm serve` would get.
@@ -64,7 +71,8 @@ async def run(rt: Runtime, settings: InferenceSettings) -> None:
     await bus.ensure_work_consumer(js, deployment, ack_wait_s=settings.ack_wait_s,
                                    max_deliver=settings.max_deliver)
     info = DeploymentInfo(model=settings.name, deployment=deployment, max_model_len=server.max_model_len,
-                          engine="vllm", tasks=list(server.tasks))
+                          engine="vllm", tasks=list(server.tasks), model_path=_absolute(model_path),
+                          max_adapter_rank=settings.max_adapter_rank if settings.adapters else None)
     kv = await js.key_value(subjects.MODELS_BUCKET)
     await kv.put(deployment, info.model_dump_json().encode())
 
