@@ -26,11 +26,13 @@ from loopline.common.job_schemas import (
     LogsRequest,
     SqueueReply,
 )
+from loopline.common.tinker_schemas import PlaceModel, TinkerWorkerList
 from loopline.trainer import jobdir
 from loopline.trainer.control import JobControl
 from loopline.trainer.errors import InvalidRequest, TrainerError, Unavailable
 from loopline.trainer.info import job_info
 from loopline.trainer.launchers import LauncherError
+from loopline.trainer.tinker_workers import SessionWorkers
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +40,9 @@ Handler = Callable[[Request], Awaitable[BaseModel]]
 
 
 class Endpoints:
-    def __init__(self, control: JobControl):
+    def __init__(self, control: JobControl, tinker: SessionWorkers):
         self.control = control
+        self.tinker = tinker
         # nats.micro handles one endpoint's requests one after another; a submit that downloads a
         # dataset or a delete that waits for a run to stop must not hold up the others. Each
         # request runs as its own task (the per-job locks order those about one job).
@@ -56,6 +59,8 @@ class Endpoints:
             "logs": (subjects.SVC_TRAINER_LOGS, self.logs),
             "squeue": (subjects.SVC_TRAINER_SQUEUE, self.squeue),
             "cluster": (subjects.SVC_TRAINER_CLUSTER, self.cluster),
+            "tinker-place": (subjects.SVC_TRAINER_TINKER_PLACE, self.tinker_place),
+            "tinker-workers": (subjects.SVC_TRAINER_TINKER_WORKERS, self.tinker_workers),
         }
         for name, (subject, handler) in routes.items():
             await service.add_endpoint(name=name, subject=subject, handler=self._concurrent(name, handler))
@@ -124,6 +129,12 @@ class Endpoints:
         except LauncherError as exc:
             raise Unavailable(str(exc)) from exc
         return ClusterInfo(gpu_count=gpus, node_count=nodes, launcher=launcher.name)
+
+    async def tinker_place(self, req: Request) -> BaseModel:
+        return await self.tinker.place(_parse(req, PlaceModel))
+
+    async def tinker_workers(self, req: Request) -> BaseModel:
+        return TinkerWorkerList(workers=await self.tinker.store.workers())
 
     async def status_detail(self) -> dict[str, Any]:
         """What svc.trainer.status reports beside the replica: the launcher and the jobs by status."""

@@ -66,8 +66,10 @@ def write_config(job_dir: Path, config: JobConfig) -> None:
     _write_atomic(job_dir / CONFIG_FILE, config.to_json())
 
 
-def write_entrypoint(job_dir: Path, argv: list[str], *, user_code: bool) -> None:
-    """The script the launcher runs; ``argv`` is the full training command (srun included)."""
+def write_entrypoint(job_dir: Path, argv: list[str], *, user_code: bool,
+                     env: dict[str, str] | None = None) -> None:
+    """The script the launcher runs; ``argv`` is the full training command (srun included), run
+    with ``env`` exported."""
     lines = [
         "#!/usr/bin/env bash",
         "# Written by the Loopline trainer; run by sbatch or the local launcher.",
@@ -75,6 +77,7 @@ def write_entrypoint(job_dir: Path, argv: list[str], *, user_code: bool) -> None
         f"cd {shlex.quote(str(job_dir))}",
         f"export LOOPLINE_JOB_DIR={shlex.quote(str(job_dir))}",
     ]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted((env or {}).items())]
     if user_code:
         # The job's own ml/ shadows the installed loopline.ml (ScalarLM's "edit the loop locally").
         code = shlex.quote(str(job_dir / CODE_DIR))

@@ -2,7 +2,9 @@
 reconcile the unfinished jobs every ``reconcile_interval_s`` until told to stop.
 
 Loops, under the shared runtime (loopline.common.runtime):
-  reconcile  registry x job directories x launcher -> rows, runs, job events  (reconcile.py)
+  reconcile       registry x job directories x launcher -> rows, runs, job events  (reconcile.py)
+  tinker-workers  session workers x launcher -> released or failed, their calls answered
+                  (tinker_workers.py)
 and the nats.micro endpoints (endpoints.py) answer on svc.trainer.*, each request its own task.
 
 Its state is the SQL registry and the job directories; nothing lives only in memory, so it can be
@@ -27,6 +29,7 @@ from loopline.trainer.events import EventPublisher
 from loopline.trainer.launchers import make_launchers
 from loopline.trainer.reconcile import reconcile_loop
 from loopline.trainer.registry import Registry, job_count_families
+from loopline.trainer.tinker_workers import SessionWorkers, tinker_workers_loop
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +45,16 @@ async def run(rt: Runtime, settings: TrainerSettings) -> None:
     await asyncio.to_thread(jobdir.clean_staging, settings.jobs_dir)
 
     # 3. Connect, and build the parts.
-    _nc, js = await rt.connect()
+    nc, js = await rt.connect()
     launcher, launchers = make_launchers(settings.launcher, settings.jobs_dir.resolve(),
                                          partition=settings.slurm_partition,
                                          extra_args=settings.slurm_extra_args)
     registry = Registry(db)
     control = JobControl(settings, registry, launcher, launchers, js, EventPublisher(js, registry))
-    endpoints = Endpoints(control)
+    # Tinker session workers: started through the same launcher as jobs, followed like them.
+    tinker = SessionWorkers(settings, launcher, launchers, nc, js)
+    await tinker.start()
+    endpoints = Endpoints(control, tinker)
     # /metrics counts the registry's jobs by status when scraped (on the scrape's thread).
     rt.on_stop(metrics.register(metrics.StateCollector(registry.counts, job_count_families)))
 
@@ -63,4 +69,6 @@ async def run(rt: Runtime, settings: TrainerSettings) -> None:
     log.info("trainer: launcher %s, jobs in %s", launcher.name, control.jobs_dir)
 
     # 5. Reconcile until told to stop.
-    await rt.serve({"reconcile": reconcile_loop(control, rt.stopping, settings.reconcile_interval_s)})
+    interval = settings.reconcile_interval_s
+    await rt.serve({"reconcile": reconcile_loop(control, rt.stopping, interval),
+                    "tinker-workers": tinker_workers_loop(tinker, rt.stopping, interval)})

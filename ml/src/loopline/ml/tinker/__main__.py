@@ -1,0 +1,14 @@
+"""``python -m loopline.ml.tinker``: a Tinker session worker under the shared runtime (the trainer
+writes this command into the worker's entrypoint)."""
+
+from loopline.common import runtime
+from loopline.common.settings import TinkerWorkerSettings
+from loopline.ml.tinker.worker import run
+
+
+def main() -> None:
+    runtime.main("tinker-worker", TinkerWorkerSettings, run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""What each Tinker training call does on a session worker, from the SDK's request to its result.
+
+``Calls.run`` takes one ``StepCall`` and returns the future's result; the compute is the training
+clients' (one resident base model, an adapter and optimizer per client), run in a thread so the
+worker's heartbeat goes on. A mistake of the caller's (an unknown loss, a missing input, a bad
+path) is a ``user`` error, which the SDK fails fast on instead of retrying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from tinker import types as tt
+
+from loopline.common import tinker_names
+from loopline.common.job_layout import CHECKPOINTS_DIR, checkpoint_name
+from loopline.common.settings import TinkerWorkerSettings
+from loopline.common.tinker_proto import decode_forward_backward, encode_forward_backward_output
+from loopline.common.tinker_schemas import (
+    FutureResult,
+    Payload,
+    SessionEvent,
+    StepCall,
+    TinkerCheckpoint,
+    TinkerModel,
+    TinkerSampler,
+)
+from loopline.common.tinker_store import TinkerStore
+from loopline.ml.tinker.saves import (
+    NotAnnounced,
+    folder_bytes,
+    wait_announced,
+    write_sampler_checkpoint,
+    write_state,
+)
+from loopline.ml.tinker.training import TrainingClients
+from loopline.ml.tinker.types import AdamParams, Datum, UserError
+
+log = logging.getLogger(__name__)
+
+PROTO = "application/x-protobuf"
+
+
+class Calls:
+    def __init__(self, settings: TinkerWorkerSettings, clients: TrainingClients, store: TinkerStore,
+                 nc: NATS, js: JetStreamContext, emit):
+        self.settings = settings
+        self.clients = clients
+        self.store = store
+        self.nc, self.js = nc, js
+        self.emit = emit  # SessionEvent -> None (published in the background)
+        self.jobs_dir = settings.jobs_dir.resolve()
+        # model -> the summed loss of its forward_backward calls since its last optim_step
+        self._loss: dict[str, float] = {}
+        # request id -> what finishes that call in the background (run by the worker loop)
+        self.pending: dict[str, Coroutine[Any, Any, None]] = {}
+
+    async def run(self, call: StepCall, model: TinkerModel) -> FutureResult | None:
+        """The call's result; None when ``pending`` holds what stores it later (a sampler save
+        waits for the checkpoint-watcher, and the calls after it must not wait with it)."""
+        try:
+            handler = getattr(self, f"_{call.kind}")
+            return await handler(call, model)
+        except (UserError, ValueError) as exc:
+            return _failed(call, str(exc), "user")
+        except Exception as exc:  # a bug or a resource error: the SDK may retry the call
+            log.exception("%s of %s failed", call.kind, call.model_id)
+            return _failed(call, f"{call.kind} failed on the session worker: {type(exc).__name__}: {exc}",
+                           "server")
+
+    # --- the calls --------------------------------------------------------------------------------
+    async def _create_model(self, call: StepCall, model: TinkerModel) -> FutureResult:
+        await asyncio.to_thread(self.clients.create, model.model_id, model.lora)
+        self.emit(SessionEvent(worker_id=model.worker_id, kind="created", model_id=model.model_id,
+                               base_model=model.base_model))
+        return _json(call, {"model_id": model.model_id, "type": "create_model"})
+
+    async def _forward_backward(self, call: StepCall, model: TinkerModel) -> FutureResult:
+        assert call.proto is not None, "forward_backward carries its protobuf body"
+        request = decode_forward_backward(await self.store.unpack(call.proto), None)
+        data = [Datum(tokens=d.tokens, inputs=d.inputs) for d in request.data]
+        result = await asyncio.to_thread(self.clients.forward_backward, model.model_id, data, request.loss_fn,
+                                         request.loss_fn_config, request.forward_only)
+        if not request.forward_only:
+            loss = result.metrics.get("loss:sum", 0.0)
+            self._loss[model.model_id] = self._loss.get(model.model_id, 0.0) + loss
+        proto = encode_forward_backward_output("ArrayRecord", result.outputs, result.metrics)
+        payload = await self.store.pack(f"result-{call.request_id}", proto)
+        return FutureResult(request_id=call.request_id, media_type=PROTO, payload=payload)
+
+    async def _optim_step(self, call: StepCall, model: TinkerModel) -> FutureResult:
+        body = tt.OptimStepRequest.model_validate_json(call.body)
+        params = body.optim_params
+        if not isinstance(params, tt.AdamParams):
+            raise UserError("only AdamW is supported here (adam_params)")
+        adam = AdamParams(learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2,
+                          eps=params.eps, weight_decay=params.weight_decay,
+                          grad_clip_norm=params.grad_clip_norm)
+        metrics = await asyncio.to_thread(self.clients.optim_step, model.model_id, adam)
+        self.emit(SessionEvent(worker_id=model.worker_id, kind="step", model_id=model.model_id,
+                               base_model=model.base_model, step=self.clients.step_count(model.model_id),
+                               loss=self._loss.pop(model.model_id, None)))
+        return _json(call, {"metrics": metrics, "type": "optim_step"})
+
+    async def _save_weights(self, call: StepCall, model: TinkerModel) -> FutureResult:
+        body = tt.SaveWeightsRequest.model_validate_json(call.body)
+        name = body.path or tinker_names.state_name(call.seq_id, call.request_id)
+        folder = tinker_names.state_dir(self.jobs_dir, model.model_id, name)
+        if folder.exists() and not body.overwrite and body.path is not None:
+            raise UserError(f"a checkpoint named {name!r} exists already; pass overwrite=True or use "
+                            "another name")
+        await asyncio.to_thread(write_state, folder, lambda out: self.clients.save_state(model.model_id, out))
+        path = str(tinker_names.TinkerPath(model.model_id, "weights", name))
+        await self._record(model, "training", name, path, folder, body.ttl_seconds)
+        self.emit(SessionEvent(worker_id=model.worker_id, kind="saved", model_id=model.model_id, path=path,
+                               step=self.clients.step_count(model.model_id)))
+        return _json(call, {"path": path, "type": "save_weights"})
+
+    async def _save_weights_for_sampler(self, call: StepCall, model: TinkerModel) -> None:
+        body = tt.SaveWeightsForSamplerRequest.model_validate_json(call.body)
+        name = body.path or tinker_names.ephemeral_name(call.seq_id, call.request_id)
+        adapter = tinker_names.sampler_hash(model.model_id, name)
+        step = self.clients.step_count(model.model_id)
+        folder = await asyncio.to_thread(
+            write_sampler_checkpoint, self.jobs_dir, adapter, base_model=model.base_model,
+            model_path=model.model_path, step=step,
+            write=lambda out: self.clients.save_adapter(model.model_id, out, model.model_path))
+        path = str(tinker_names.TinkerPath(model.model_id, "sampler_weights", name))
+        await self._record(model, "sampler", name, path, folder, body.ttl_seconds, adapter=adapter, step=step)
+        sampler = TinkerSampler(sampling_session_id=tinker_names.new_id(), base_model=model.base_model,
+                                adapter=adapter, model_path=path, step=step)
+        await self.store.put_sampler(sampler)
+        self.emit(SessionEvent(worker_id=model.worker_id, kind="saved", model_id=model.model_id, path=path,
+                               step=step))
+        # The replicas can load it once the checkpoint-watcher has announced it: that wait is the
+        # worker loop's to run beside the calls that follow (the trainer is not stalled).
+        self.pending[call.request_id] = self._finish_when_announced(call, model, adapter, step, path,
+                                                                     sampler.sampling_session_id)
+        return None
+
+    async def _finish_when_announced(self, call: StepCall, model: TinkerModel, adapter: str, step: int,
+                                     path: str, sampling_session_id: str) -> None:
+        started = time.monotonic()
+        try:
+            await wait_announced(self.nc, self.js, model.base_model, adapter, step,
+                                 self.settings.tinker_announce_timeout_s)
+        except NotAnnounced as exc:
+            await self.store.finish(_failed(call, f"sampler weights {path}: {exc}", "server"))
+            return
+        log.info("%s announced %.0f ms after it was written", path, (time.monotonic() - started) * 1000)
+        await self.store.finish(_json(call, {"path": path, "sampling_session_id": sampling_session_id,
+                                             "type": "save_weights_for_sampler"}))
+
+    async def _load_weights(self, call: StepCall, model: TinkerModel) -> FutureResult:
+        body = tt.LoadWeightsRequest.model_validate_json(call.body)
+        path = tinker_names.parse_path(body.path)
+        checkpoint = await self.store.checkpoint(path.model_id, path.kind, path.name)
+        if checkpoint is None:
+            raise UserError(f"no checkpoint {body.path}")
+        if path.kind == "sampler_weights" and body.optimizer:
+            raise UserError(f"{body.path} holds sampler weights, without optimizer state: load it with "
+                            "optimizer=False, or load a save_state checkpoint")
+        folder = Path(_folder_of(checkpoint, self.jobs_dir))
+        first = model.model_id not in self.clients.models()
+        await asyncio.to_thread(self.clients.load_state, model.model_id, folder, body.optimizer, model.lora)
+        if first:
+            self.emit(SessionEvent(worker_id=model.worker_id, kind="created", model_id=model.model_id,
+                                   base_model=model.base_model, path=body.path))
+        return _json(call, {"path": body.path, "model_id": model.model_id, "type": "load_weights"})
+
+    async def _unload_model(self, call: StepCall, model: TinkerModel) -> FutureResult:
+        self.release(model.model_id)
+        return _json(call, {"model_id": model.model_id, "type": "unload_model"})
+
+    def release(self, model_id: str) -> None:
+        self.clients.drop(model_id)
+        self._loss.pop(model_id, None)
+
+    async def _record(self, model: TinkerModel, kind: Any, name: str, path: str, folder: Path,
+                      ttl_s: int | None, *, adapter: str | None = None, step: int | None = None) -> None:
+        now = time.time()
+        checkpoint = TinkerCheckpoint(
+            model_id=model.model_id, checkpoint_type=kind, name=name, tinker_path=path, created_at=now,
+            size_bytes=await asyncio.to_thread(folder_bytes, folder), adapter=adapter,
+            step=self.clients.step_count(model.model_id) if step is None else step,
+            expires_at=now + ttl_s if ttl_s else None)
+        await self.store.put_checkpoint(checkpoint, "weights" if kind == "training" else "sampler_weights")
+
+
+def _folder_of(checkpoint: TinkerCheckpoint, jobs_dir: Path) -> Path:
+    path = tinker_names.parse_path(checkpoint.tinker_path)
+    if path.kind == "weights":
+        return tinker_names.state_dir(jobs_dir, path.model_id, path.name)
+    assert checkpoint.adapter is not None
+    return jobs_dir / checkpoint.adapter / CHECKPOINTS_DIR / checkpoint_name(checkpoint.step)
+
+
+def _json(call: StepCall, body: dict[str, Any]) -> FutureResult:
+    return FutureResult(request_id=call.request_id, payload=Payload.inline(json.dumps(body).encode()))
+
+
+def _failed(call: StepCall, error: str, category: Any) -> FutureResult:
+    return FutureResult(request_id=call.request_id, ok=False, error=error, category=category)
+

@@ -1,0 +1,206 @@
+"""The session worker process: one base model resident, many Tinker training clients on it.
+
+The trainer starts it as a Slurm job (a local process under the local launcher) with its settings
+in the environment (``TinkerWorkerSettings``). It reads its calls from ``tinker.calls.<worker>``
+(a durable pull consumer, so a call published while it loads waits for it) and runs each model's
+calls in the order the SDK numbered them (``seq_id``), whatever order their HTTP requests reached
+the gateway in: forward_backward chunks sent in parallel accumulate in the same order every run.
+
+Loops, under the shared runtime:
+  calls      fetch, order by (model, seq_id), run, store the result, ack; release idle clients
+  heartbeat  the worker's record: alive, which models it holds
+A worker whose clients have all been released exits 0: the trainer then marks it released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from loopline.common import bus, subjects
+from loopline.common.runtime import Runtime, pause
+from loopline.common.settings import TinkerWorkerSettings
+from loopline.common.tinker_schemas import SessionEvent, StepCall
+from loopline.common.tinker_store import TinkerStore
+from loopline.ml.tinker.calls import Calls
+from loopline.ml.tinker.training import TrainingClients
+
+log = logging.getLogger(__name__)
+
+# Calls of one model wait for their turn un-acked; a forward_backward on a large batch may take
+# minutes. JetStream must not hand them out again meanwhile (nobody else reads this subject).
+ACK_WAIT_S = 6 * 3600
+FETCH_BATCH = 64
+
+
+@dataclass
+class ModelQueue:
+    """One model's calls that arrived before their turn."""
+
+    next_seq: int = 1  # the SDK numbers a client's calls 1, 2, ... after its creating call
+    waiting: dict[int, tuple[StepCall, Msg]] = field(default_factory=dict)
+    stalled_since: float | None = None  # when a later call began waiting for a missing one
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class SessionWorker:
+    def __init__(self, rt: Runtime, settings: TinkerWorkerSettings, calls: Calls, store: TinkerStore):
+        self.rt = rt
+        self.settings = settings
+        self.calls = calls
+        self.store = store
+        self.queues: dict[str, ModelQueue] = {}
+        self.idle_since = time.monotonic()
+        self._tasks: set[asyncio.Task] = set()
+
+    async def calls_loop(self, stopping: asyncio.Event) -> None:
+        js = self.rt.js
+        assert js is not None
+        sub = await js.pull_subscribe(
+            subjects.tinker_calls(self.settings.tinker_worker_id),
+            durable=subjects.tinker_calls_durable(self.settings.tinker_worker_id),
+            stream=subjects.TINKER_CALLS_STREAM,
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+                                  ack_wait=ACK_WAIT_S, max_ack_pending=100_000))
+        # Invariant: a call is acked only once its result is stored; of each model's calls, those
+        # numbered below its next_seq have run, in order, and none numbered above has.
+        while not stopping.is_set():
+            try:
+                msgs = await sub.fetch(FETCH_BATCH, timeout=1.0)
+            except TimeoutError:
+                msgs = []
+            except Exception as exc:  # noqa: BLE001 - NATS reconnecting: fetch again
+                log.debug("fetch failed: %s", exc)
+                msgs = []
+            for msg in msgs:
+                await self._arrived(msg)
+            await self._run_ready()
+            if await self._release_idle():
+                stopping.set()  # every client is gone: end the process (exit 0)
+                return
+
+    async def _arrived(self, msg: Msg) -> None:
+        call = StepCall.model_validate_json(msg.data)
+        queue = self.queues.setdefault(call.model_id, ModelQueue())
+        if call.seq_id is None:  # a model's first call (create, or load from state): its turn now
+            await self._run(call, msg)
+            queue.next_seq = 1
+        elif call.seq_id < queue.next_seq:
+            await msg.ack()  # a redelivery of a call that has run: its result is stored already
+        else:
+            queue.waiting[call.seq_id] = (call, msg)
+
+    async def _run_ready(self) -> None:
+        now = time.monotonic()
+        for model_id, queue in list(self.queues.items()):
+            while queue.waiting:
+                if queue.next_seq not in queue.waiting:
+                    # The SDK numbers without gaps, but a call can be lost client-side (its process
+                    # died mid-send): after a while the later ones run without it.
+                    queue.stalled_since = queue.stalled_since or now
+                    if now - queue.stalled_since < self.settings.tinker_gap_timeout_s:
+                        break
+                    skipped_to = min(queue.waiting)
+                    log.warning("model %s: call %d never came; running %d", model_id, queue.next_seq,
+                                skipped_to)
+                    queue.next_seq = skipped_to
+                queue.stalled_since = None
+                call, msg = queue.waiting.pop(queue.next_seq)
+                queue.next_seq += 1
+                await self._run(call, msg)
+
+    async def _run(self, call: StepCall, msg: Msg) -> None:
+        queue = self.queues.setdefault(call.model_id, ModelQueue())
+        queue.last_used = self.idle_since = time.monotonic()
+        model = await self.store.model(call.model_id)
+        if model is None or model.worker_id != self.settings.tinker_worker_id:
+            log.error("dropping %s for %s: no such model on this worker", call.kind, call.model_id)
+            await msg.ack()
+            return
+        result = await self.calls.run(call, model)
+        if result is None:  # finished in the background; acked there
+            self._spawn_ack_later(call, msg)
+            return
+        await self.store.finish(result)
+        await msg.ack()
+        model.last_request_at = time.time()
+        await self.store.put_model(model)
+
+    def _spawn_ack_later(self, call: StepCall, msg: Msg) -> None:
+        finish = self.calls.pending.pop(call.request_id)
+
+        async def finish_then_ack() -> None:
+            await finish
+            await msg.ack()
+
+        task = asyncio.create_task(finish_then_ack())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _release_idle(self) -> bool:
+        """Release clients idle past the TTL; True when the worker has none left and should end."""
+        ttl = self.settings.tinker_idle_ttl_s
+        now = time.monotonic()
+        for model_id, queue in list(self.queues.items()):
+            if queue.waiting or now - queue.last_used < ttl:
+                continue
+            del self.queues[model_id]
+            self.calls.release(model_id)
+            model = await self.store.model(model_id)
+            if model is not None and model.state == "active":
+                model.state, model.error = "released", f"idle for more than {ttl:.0f} s"
+                await self.store.put_model(model)
+            self.emit(SessionEvent(worker_id=self.settings.tinker_worker_id, kind="released",
+                                   model_id=model_id, detail=f"idle for {ttl:.0f} s"))
+            log.info("released %s: idle for %.0f s", model_id, ttl)
+        return not self.queues and not self._tasks and now - self.idle_since >= ttl
+
+    # --- heartbeat and events ---------------------------------------------------------------------
+    async def heartbeat_loop(self, stopping: asyncio.Event) -> None:
+        # Invariant: the worker's record says it is ready, with the models it holds, as of at most
+        # heartbeat_s ago.
+        while True:
+            worker = await self.store.worker(self.settings.tinker_worker_id)
+            if worker is not None and worker.state in ("starting", "ready"):
+                worker.state, worker.heartbeat_at = "ready", time.time()
+                worker.models = sorted(self.queues)
+                await self.store.put_worker(worker)
+            if await pause(stopping, self.settings.heartbeat_s):
+                return
+
+    def emit(self, event: SessionEvent) -> None:
+        js = self.rt.js
+        assert js is not None
+        msg_id = f"{event.worker_id}:{event.kind}:{event.model_id}:{event.step}:{event.path}:{event.time}"
+        task = asyncio.create_task(bus.publish_durable(
+            js, subjects.session_event(event.worker_id, event.kind), event.model_dump_json().encode(),
+            msg_id=msg_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+async def run(rt: Runtime, settings: TinkerWorkerSettings) -> None:
+    # 1. Load the base model once (a signal meanwhile cancels the start: the runtime).
+    log.info("session worker %s: loading %s from %s", settings.tinker_worker_id, settings.tinker_base_model,
+             settings.tinker_model_path)
+    clients = await asyncio.to_thread(TrainingClients, settings.tinker_model_path)
+
+    # 2. Connect; the shared records.
+    nc, js = await rt.connect()
+    store = TinkerStore(js, nc.max_payload)
+    await store.start()
+
+    # 3. The calls and the loop that orders them.
+    worker: SessionWorker
+    calls = Calls(settings, clients, store, nc, js, emit=lambda event: worker.emit(event))
+    worker = SessionWorker(rt, settings, calls, store)
+    log.info("session worker %s ready: %s", settings.tinker_worker_id, settings.tinker_base_model)
+
+    # 4. Serve until every client is released, or told to stop.
+    await rt.serve({"calls": worker.calls_loop(rt.stopping), "heartbeat": worker.heartbeat_loop(rt.stopping)})
+
