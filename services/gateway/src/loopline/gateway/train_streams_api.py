@@ -11,27 +11,20 @@ import logging
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
-from nats.errors import TimeoutError as NatsTimeoutError
-from pydantic import ValidationError
 
 from loopline.common import subjects
 from loopline.common.job_schemas import JobEvent, LogLines, LogsRequest
 from loopline.gateway.errors import ApiError
+from loopline.gateway.event_streams import SSE_HEADERS, sse
 from loopline.gateway.gateway import gateway_of
 from loopline.gateway.trainer_client import TrainerClient
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/megatron")
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # The trainer is asked for new log lines this often while the job runs (ScalarLM's CLI polls at 1 s).
 LOG_POLL_S = 1.0
 LOG_PAGE = 1000
-# A comment line this often keeps proxies from closing a quiet event stream.
-KEEPALIVE_S = 15.0
-# A job already over when the stream opens: its stored history is all there is; this much silence
-# means it has all been sent (covers a history whose final event has aged out of the stream).
-HISTORY_IDLE_S = 1.0
 FINAL_KINDS = {"completed", "failed", "cancelled"}
 
 
@@ -79,7 +72,8 @@ async def job_events(job: str, request: Request):
     info = await trainer.get(job)
     run_start = await trainer.current_run_start(info.job_hash)
     sub = await trainer.follow_events(subjects.job_events(info.job_hash), from_seq=run_start)
-    return StreamingResponse(_sse(sub, one_job=True, over=info.status.finished),
+    return StreamingResponse(sse(sub, JobEvent.model_validate_json, over=info.status.finished,
+                                 ends=lambda event: event.kind in FINAL_KINDS),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -87,30 +81,5 @@ async def job_events(job: str, request: Request):
 async def all_job_events(request: Request):
     """Every job's events, stored ones first, then live; the stream does not end by itself."""
     sub = await gateway_of(request).trainer.follow_events(subjects.JOB_EVENTS_ALL)
-    return StreamingResponse(_sse(sub, one_job=False, over=False),
+    return StreamingResponse(sse(sub, JobEvent.model_validate_json, over=False),
                              media_type="text/event-stream", headers=SSE_HEADERS)
-
-
-async def _sse(sub, *, one_job: bool, over: bool):
-    # Invariant: stored events are sent once each, in stream order; a one-job stream ends after the
-    # job's final event, or (job over before we came) once its stored history has been sent.
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=HISTORY_IDLE_S if over else KEEPALIVE_S)
-            except NatsTimeoutError:
-                if over:
-                    return
-                yield ": keepalive\n\n"
-                continue
-            try:
-                event = JobEvent.model_validate_json(msg.data)
-            except ValidationError as exc:
-                log.warning("skipping a malformed event on %s: %s", msg.subject, exc)
-                continue
-            data = event.model_dump_json(exclude_none=True)
-            yield f"id: {msg.metadata.sequence.stream}\nevent: {event.kind}\ndata: {data}\n\n"
-            if one_job and (event.kind in FINAL_KINDS or (over and msg.metadata.num_pending == 0)):
-                return
-    finally:
-        await sub.unsubscribe()

@@ -105,18 +105,20 @@ class TrainerClient:
                            headers={"Retry-After": "2"}) from exc
 
     # --- events -------------------------------------------------------------------------------------
-    async def follow_events(self, subject_filter: str, *, from_seq: int | None = None):
+    async def follow_events(self, subject_filter: str, *, from_seq: int | None = None,
+                            new_only: bool = False):
         """An ordered, ephemeral consumer on EVENTS from the first stored event (or from stream
-        sequence ``from_seq``): a client that comes late still sees the whole history, then what
-        happens next. Unsubscribe when done."""
+        sequence ``from_seq``, or, ``new_only``, from the next one published): a client that comes
+        late still sees the whole history, then what happens next. Unsubscribe when done."""
         start = None if from_seq is None else ConsumerConfig(
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=from_seq)
+        policy = DeliverPolicy.NEW if new_only else DeliverPolicy.ALL
         try:
             return await self.js.subscribe(subject_filter, stream=subjects.EVENTS_STREAM,
                                            ordered_consumer=True, config=start,
-                                           deliver_policy=DeliverPolicy.ALL if start is None else None)
+                                           deliver_policy=policy if start is None else None)
         except Exception as exc:  # NATS down
-            raise ApiError(503, f"cannot follow job events: {exc}; retry") from exc
+            raise ApiError(503, f"cannot follow events: {exc}; retry") from exc
 
     async def current_run_start(self, job_hash: str) -> int | None:
         """Where the job's current run begins in EVENTS: the stream sequence of its last ``queued``
