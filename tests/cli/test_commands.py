@@ -177,6 +177,6 @@ def test_inspection_commands(cli, trainer, tmp_path):
 def test_sse_parsing():
     lines = [": keepalive", "", "id: 7", "event: progress", 'data: {"step": 1,', 'data:  "loss": 2.5}', "",
              '{"line": "a: b", "line_number": 0}', "event: completed", "data: {}"]
-    assert list(parse_sse(lines)) == [SseMessage("progress", '{"step": 1,\n "loss": 2.5}'),
+    assert list(parse_sse(lines)) == [SseMessage("progress", '{"step": 1,\n "loss": 2.5}', id="7"),
                                       SseMessage("message", '{"line": "a: b", "line_number": 0}'),
                                       SseMessage("completed", "{}")]

@@ -1,5 +1,5 @@
-"""The gateway's training routes over HTTP: requests, server-sent-event parsing, and the mapping of
-every failure to a ``CliError`` that says what happened and what to do next."""
+"""The gateway's training and Tinker routes over HTTP: requests, server-sent-event parsing, and the
+mapping of every failure to a ``CliError`` that says what happened and what to do next."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 EXIT_FAILED = 1
 EXIT_USER = 2
 EXIT_UNREACHABLE = 3
+RUNS_HINT = "see `loopline tinker runs` for the training runs there are"
 
 
 class CliError(Exception):
@@ -29,6 +30,7 @@ class CliError(Exception):
 class SseMessage:
     event: str
     data: str
+    id: str = ""  # the message's own ``id:`` field (Loopline's: the event's EVENTS sequence)
 
 
 def parse_sse(lines: Iterable[str]) -> Iterator[SseMessage]:
@@ -37,12 +39,13 @@ def parse_sse(lines: Iterable[str]) -> Iterator[SseMessage]:
     A bare JSON line outside the SSE framing is taken as one message too: ScalarLM's log stream is
     newline-delimited JSON under an event-stream content type, and the same parser serves both.
     """
-    event, data = "", []
+    event, ident, data = "", "", list[str]()
+    # Invariant: event, data and ident hold the fields of the message not yet dispatched.
     for line in lines:
         if not line:
             if data:
-                yield SseMessage(event or "message", "\n".join(data))
-            event, data = "", []
+                yield SseMessage(event or "message", "\n".join(data), ident)
+            event, ident, data = "", "", []
             continue
         if line.startswith(":"):
             continue  # a comment: servers send these as keep-alives
@@ -52,12 +55,14 @@ def parse_sse(lines: Iterable[str]) -> Iterator[SseMessage]:
             data.append(value)
         elif field == "event":
             event = value
-        elif field in ("id", "retry"):
+        elif field == "id":
+            ident = value
+        elif field == "retry":
             pass
         elif line.lstrip().startswith(("{", "[")):
             yield SseMessage("message", line)
     if data:
-        yield SseMessage(event or "message", "\n".join(data))
+        yield SseMessage(event or "message", "\n".join(data), ident)
 
 
 def error_detail(response: httpx.Response) -> str:
@@ -81,10 +86,21 @@ def error_detail(response: httpx.Response) -> str:
     return json.dumps(body)[:300]
 
 
+@dataclass(frozen=True)
+class Missing:
+    """What a 404 means for a request that names a thing: the error to raise instead."""
+
+    what: str  # "training run <id>"
+    hint: str
+
+
 class Gateway:
-    def __init__(self, base_url: str = DEFAULT_URL, timeout: float = 30.0):
+    def __init__(self, base_url: str = DEFAULT_URL, timeout: float = 30.0, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(timeout, connect=5.0))
+        # The key in both headers a keyed gateway reads: Bearer on /v1, X-API-Key on the Tinker /api/v1.
+        headers = {"Authorization": f"Bearer {api_key}", "X-API-Key": api_key} if api_key else {}
+        self._http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(timeout, connect=5.0),
+                                  headers=headers)
 
     def close(self) -> None:
         self._http.close()
@@ -103,11 +119,16 @@ class Gateway:
         return CliError(f"lost the connection to the gateway at {self.base_url} ({exc!r})",
                         "try again; if it persists, check the gateway's log", EXIT_UNREACHABLE)
 
-    def _check(self, response: httpx.Response, job: str | None) -> None:
+    def _check(self, response: httpx.Response, job: str | None, missing: Missing | None = None) -> None:
         if response.is_success:
             return
         detail = error_detail(response)
         status = response.status_code
+        if status == 401:
+            raise CliError(f"the gateway wants an API key: {detail}",
+                           "give one of its keys with --api-key or LOOPLINE_API_KEY", EXIT_USER)
+        if status == 404 and missing is not None and detail not in ("Not Found", ""):
+            raise CliError(f"no such {missing.what} ({detail})", missing.hint, EXIT_USER)
         if status == 404 and job is not None:
             said = "" if detail in ("Not Found", "") else f" ({detail})"
             raise CliError(f"no such job: {job}{said}", "see `loopline jobs` for the jobs there are",
@@ -127,12 +148,13 @@ class Gateway:
         raise CliError(f"the gateway failed ({status}): {detail}",
                        "try again; if it persists, check the gateway's and trainer's logs", EXIT_FAILED)
 
-    def _json(self, method: str, path: str, job: str | None = None, **kwargs: Any) -> Any:
+    def _json(self, method: str, path: str, job: str | None = None, missing: Missing | None = None,
+              **kwargs: Any) -> Any:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
             raise self._unreachable(exc) from None
-        self._check(response, job)
+        self._check(response, job, missing)
         try:
             return response.json()
         except ValueError:
@@ -140,7 +162,7 @@ class Gateway:
                            f"{response.text[:200]!r}") from None
 
     def _stream(self, path: str, job: str | None, read_timeout: float | None,
-                params: dict[str, Any] | None = None) -> Iterator[SseMessage]:
+                params: dict[str, Any] | None = None, missing: Missing | None = None) -> Iterator[SseMessage]:
         """Messages of an event stream until the server ends it; a connection cut mid-stream ends it
         too (callers that must see the end of a job reconnect, they know what they have seen)."""
         timeout = httpx.Timeout(30.0, connect=5.0, read=read_timeout)
@@ -148,7 +170,7 @@ class Gateway:
             with self._http.stream("GET", path, params=params, timeout=timeout) as response:
                 if not response.is_success:
                     response.read()
-                    self._check(response, job)
+                    self._check(response, job, missing)
                 try:
                     yield from parse_sse(response.iter_lines())
                 except (httpx.ReadTimeout, httpx.ReadError, httpx.RemoteProtocolError):
@@ -201,3 +223,39 @@ class Gateway:
                 continue
             if isinstance(record, dict) and "line" in record:
                 yield record
+
+    # -- Tinker routes (tinker_commands.py) -----------------------------------------------------
+
+    def tinker_runs(self, limit: int, offset: int = 0) -> dict[str, Any]:
+        """``{"training_runs": [TrainingRun...], "cursor": {"total_count", ...}}``, newest first."""
+        return self._json("GET", "/api/v1/training_runs", params={"limit": limit, "offset": offset})
+
+    def tinker_checkpoints(self, run_id: str) -> list[dict[str, Any]]:
+        missing = Missing(f"training run {run_id}", RUNS_HINT)
+        return self._json("GET", f"/api/v1/training_runs/{run_id}/checkpoints",
+                          missing=missing)["checkpoints"]
+
+    def tinker_sessions(self, limit: int) -> list[str]:
+        """Session ids, newest first."""
+        return self._json("GET", "/api/v1/sessions", params={"limit": limit})["sessions"]
+
+    def tinker_session(self, session_id: str) -> dict[str, Any]:
+        missing = Missing(f"session {session_id}", "see `loopline tinker sessions` for the sessions")
+        return self._json("GET", f"/api/v1/sessions/{session_id}", missing=missing)
+
+    def tinker_events(self, run_id: str | None = None, worker_id: str | None = None, *,
+                      history: bool = False, after: int | None = None) -> Iterator[SseMessage]:
+        """Session events: one run's or one worker's until it ends, else every worker's (from now,
+        or ``history``: the stored ones first); ``after`` resumes after that event id."""
+        params: dict[str, Any] = {} if after is None else {"after": after}
+        if run_id is not None:
+            path = f"/v1/tinker/runs/{run_id}/events"
+            missing = Missing(f"training run {run_id}", RUNS_HINT)
+        elif worker_id is not None:
+            path = f"/v1/tinker/workers/{worker_id}/events"
+            missing = Missing(f"session worker {worker_id}", "a worker id is in the events of "
+                              "`loopline tinker follow`")
+        else:
+            path, missing = "/v1/tinker/events", None
+            params["history"] = str(history).lower()
+        yield from self._stream(path, None, None, params, missing)

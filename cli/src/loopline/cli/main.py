@@ -1,13 +1,13 @@
-"""``loopline``: submit, follow, inspect and plot training jobs through the gateway's HTTP API.
+"""``loopline``: submit, follow, inspect and plot training jobs through the gateway's HTTP API; the
+Tinker API's sessions, runs and checkpoints under ``loopline tinker`` (tinker_commands.py).
 
 Data (hashes, tables, log lines) goes to stdout; progress, notices and errors go to stderr, so
-``HASH=$(loopline train data.jsonl --no-follow)`` works.
+``HASH=$(loopline train data.jsonl --no-follow)`` works (console.py).
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 import importlib.util
 import json
 import os
@@ -19,19 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from loopline.cli import archive, plot as plotting
+from loopline.cli import archive, plot as plotting, tinker_commands
 from loopline.cli.client import DEFAULT_URL, EXIT_FAILED, EXIT_USER, CliError, Gateway
+from loopline.cli.console import Target, err, gateway, handles_errors, out
 from loopline.cli.follow import FINISHED_STATUSES, follow as follow_job, short
 
 app = typer.Typer(name="loopline",
                   help="Train, follow and inspect Loopline jobs over the gateway's HTTP API.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+app.add_typer(tinker_commands.app, name="tinker")
 STATUS_COLOURS = {"COMPLETED": "green", "FAILED": "red", "CANCELLED": "yellow", "TRAINING": "cyan"}
 
 
@@ -42,46 +41,12 @@ class Adapter(str, enum.Enum):
     none = "none"
 
 
-def handles_errors(command):
-    """Every command ends in one of our messages and exit codes, never a traceback."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except CliError as exc:
-            err.print(f"[red]error:[/] {escape(exc.message)}", soft_wrap=True)
-            if exc.hint:
-                err.print(f"  {escape(exc.hint)}", soft_wrap=True)
-            raise typer.Exit(exc.exit_code) from None
-        except archive.DatasetError as exc:
-            err.print(f"[red]error:[/] the dataset is not valid JSONL for training:\n{escape(str(exc))}",
-                      soft_wrap=True)
-            err.print('  fix the line(s) above: each line must be one JSON object with "input" and "output" '
-                      'strings (with --param training_mode=embedding: "sentence1", "sentence2", "score")',
-                      soft_wrap=True)
-            raise typer.Exit(EXIT_USER) from None
-        except OSError as exc:  # a local file or directory we were pointed at
-            what = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc)
-            err.print(f"[red]error:[/] {escape(what)}", soft_wrap=True)
-            raise typer.Exit(EXIT_USER) from None
-        except KeyboardInterrupt:
-            err.print("interrupted; a submitted job keeps running (`loopline jobs`)")
-            raise typer.Exit(130) from None
-
-    return wrapper
-
-
-def gateway(ctx: typer.Context) -> Gateway:
-    gw = Gateway(ctx.obj)
-    ctx.call_on_close(gw.close)
-    return gw
-
-
 @app.callback()
 def main(ctx: typer.Context,
-         url: str = typer.Option(DEFAULT_URL, "--url", envvar="LOOPLINE_URL", help="the gateway's base URL")):
-    ctx.obj = url
+         url: str = typer.Option(DEFAULT_URL, "--url", envvar="LOOPLINE_URL", help="the gateway's base URL"),
+         api_key: str | None = typer.Option(None, "--api-key", envvar="LOOPLINE_API_KEY",
+                                            help="one of the gateway's API keys, when it has them")):
+    ctx.obj = Target(url, api_key)
 
 
 def parse_param(text: str) -> tuple[list[str], Any]:
