@@ -26,3 +26,25 @@ def tokenizer(tiny):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny)
+
+
+@pytest.fixture(scope="session")
+def tinker_stack(tmp_path_factory, tiny):
+    """A stack for the Tinker API tests: its session workers run under the local launcher (the
+    Slurm one has its own test), reconciled often so a dead worker is noticed within a second."""
+    s = make_stack(tmp_path_factory.mktemp("tinker-stack"), tiny, LOOPLINE_LAUNCHER="local",
+                   LOOPLINE_RECONCILE_INTERVAL_S="0.25")
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def service(tinker_stack):
+    """The unmodified tinker SDK's ServiceClient, pointed at the stack."""
+    import tinker
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TINKER_TELEMETRY", "0")
+    yield tinker.ServiceClient(base_url=tinker_stack.url, api_key="tml-loopline-test")
+    mp.undo()

@@ -14,6 +14,10 @@ from loopline.gateway import (
     openai_api,
     openapi_docs,
     scalarlm_api,
+    tinker_api,
+    tinker_events_api,
+    tinker_rest_api,
+    tinker_sampling_api,
     train_api,
     train_streams_api,
     upload_api,
@@ -54,6 +58,10 @@ def create_app(settings: GatewaySettings, gateway: Gateway) -> FastAPI:
     app.include_router(train_streams_api.router)
     app.include_router(train_api.router)
     app.include_router(upload_api.router)
+    app.include_router(tinker_api.router)
+    app.include_router(tinker_sampling_api.router)
+    app.include_router(tinker_rest_api.router)
+    app.include_router(tinker_events_api.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                        max_upload_bytes=settings.max_upload_bytes)
     if settings.api_key_set:

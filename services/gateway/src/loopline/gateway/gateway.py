@@ -20,6 +20,7 @@ from loopline.gateway.answers import Answers
 from loopline.gateway.model_directory import ModelDirectory
 from loopline.gateway.results import Results
 from loopline.gateway.service_calls import ServiceCalls
+from loopline.gateway.tinker_part import TinkerPart
 from loopline.gateway.trainer_client import TrainerClient
 from loopline.gateway.work import WorkPublisher
 
@@ -36,6 +37,8 @@ class Gateway:
         self.results = Results(nc, js)  # stored results, waiters, token streams
         self.answers = Answers(nc)  # this gateway's answers.<id>.* subscription
         self.services = ServiceCalls(nc)  # the queue's svc.queue.*, $SRV.PING for /v1/health
+        self.tinker = TinkerPart(nc, js, self.models)  # Tinker sessions, calls, futures
+        self.js = js
 
     async def start(self) -> None:
         """Subscribe and make the first reads; the gateway can route requests once this returns."""
@@ -44,6 +47,7 @@ class Gateway:
         await self.work.start()
         await self.models.start()
         await self.adapters.start()
+        await self.tinker.start()
 
     async def stop(self) -> None:
         await self.adapters.stop()

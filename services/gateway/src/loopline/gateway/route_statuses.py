@@ -71,6 +71,12 @@ ROUTES: dict[tuple[str, str], dict[int, str]] = {
     ("GET", "/v1/megatron/train/logs/{job}"): {**JOB, 422: f"{JOB[422]}; {FIELDS}", **TRAINER},
     ("GET", "/v1/megatron/train/{job}/events"): {**JOB, **TRAINER},
     ("GET", "/v1/megatron/events"): {503: "the message bus is unavailable: retry"},
+    ("GET", "/v1/tinker/events"): {422: FIELDS, 503: "the message bus is unavailable: retry"},
+    ("GET", "/v1/tinker/workers/{worker_id}/events"): {
+        404: "no such session worker", 422: FIELDS, 503: "the message bus is unavailable: retry"},
+    ("GET", "/v1/tinker/runs/{run_id}/events"): {
+        404: "no such training run", 409: "the run is not on a session worker yet: retry",
+        422: FIELDS, 503: "the message bus is unavailable: retry"},
     ("POST", "/v1/megatron/upload/init"): {
         400: NOT_JSON, 413: "the upload or its chunks are larger than the limits",
         422: f"{FIELDS}; the chunk count does not match the sizes; invalid `params`"},
@@ -84,11 +90,60 @@ ROUTES: dict[tuple[str, str], dict[int, str]] = {
         422: f"{FIELDS}; the assembled upload is not what init declared; {ARCHIVE[422]}", **TRAINER},
 }
 
+# The Tinker API (/api/v1, for the tinker SDK): its 400s name the field; the SDK fails fast on a 4xx
+# other than 408/409/429 and retries those and 5xx.
+TINKER_BODY = "the body is not the SDK's request (the message names the field), or not JSON"
+TINKER_MODEL = "no such training client (model_id)"
+TINKER_CALL = {400: TINKER_BODY, 404: TINKER_MODEL, 429: "the Tinker call queue is full: retry later",
+               503: "the message bus did not take the call: retry"}
+TINKER_SESSION = {410: "no such session (the SDK stops its heartbeat)"}
+ROUTES.update({
+    ("POST", "/api/v1/client/config"): {},
+    ("POST", "/api/v1/create_session"): {400: TINKER_BODY},
+    ("POST", "/api/v1/session_heartbeat"): {400: TINKER_BODY, **TINKER_SESSION},
+    ("POST", "/api/v1/sessions/{session_id}/finish"): {400: TINKER_BODY, **TINKER_SESSION},
+    ("POST", "/api/v1/telemetry"): {},
+    ("POST", "/api/v1/create_model"): {
+        400: f"{TINKER_BODY}; no lora_config; an optimizer other than AdamW; a rank above the largest "
+             "served", 404: "the base model is not served here", **TINKER_SESSION, **TRAINER},
+    ("POST", "/api/v1/get_info"): {400: TINKER_BODY, 404: TINKER_MODEL},
+    ("POST", "/api/v1/forward_backward"): {
+        **TINKER_CALL, 400: "not a ForwardBackwardRequest, or its zstd does not decode",
+        415: "the body is not protobuf (application/x-protobuf)"},
+    ("POST", "/api/v1/optim_step"): {**TINKER_CALL, 400: f"{TINKER_BODY}; optimizer_params (only AdamW)"},
+    ("POST", "/api/v1/save_weights_for_sampler"): {
+        **TINKER_CALL, 400: f"{TINKER_BODY}; a kind other than snapshot; a bad checkpoint name"},
+    ("POST", "/api/v1/save_weights"): {**TINKER_CALL, 400: f"{TINKER_BODY}; a bad checkpoint name"},
+    ("POST", "/api/v1/load_weights"): {
+        **TINKER_CALL, 400: f"{TINKER_BODY}; not a tinker path of this server",
+        404: f"{TINKER_MODEL}, or no such checkpoint", **TINKER_SESSION, **TRAINER},
+    ("POST", "/api/v1/retrieve_future"): {400: TINKER_BODY, 404: "no such future"},
+    ("POST", "/api/v1/create_sampling_session"): {
+        400: f"{TINKER_BODY}; not a sampler_weights path", 404: "no such checkpoint or base model"},
+    ("GET", "/api/v1/samplers/{sampler_id}"): {404: "no such sampling session"},
+    ("POST", "/api/v1/asample"): {
+        400: f"{TINKER_BODY}; a sampling option this server cannot honour (the message names it)",
+        404: "no such sampling session, checkpoint or base model", 429: FULL, 503: BUS},
+    ("GET", "/api/v1/training_runs"): {422: FIELDS},
+    ("GET", "/api/v1/training_runs/{run_id}"): {404: "no such training run"},
+    ("GET", "/api/v1/training_runs/{run_id}/checkpoints"): {404: "no such training run"},
+    ("DELETE", "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}"): {
+        400: "the kind is not weights or sampler_weights", 404: "no such checkpoint"},
+    ("POST", "/api/v1/weights_info"): {400: f"{TINKER_BODY}; not a tinker path", 404: "no such checkpoint"},
+    ("GET", "/api/v1/sessions"): {422: FIELDS},
+    ("GET", "/api/v1/sessions/{session_id}"): {404: "no such session"},
+    ("GET", "/api/v1/get_server_capabilities"): {},
+    ("GET", "/api/v1/healthz"): {},
+})
+
 # Routes whose 200 is not one JSON body (a stream of lines, Prometheus text): its media type.
 MEDIA_TYPES = {
     ("GET", "/v1/megatron/train/logs/{job}"): "text/event-stream",
     ("GET", "/v1/megatron/train/{job}/events"): "text/event-stream",
     ("GET", "/v1/megatron/events"): "text/event-stream",
+    ("GET", "/v1/tinker/events"): "text/event-stream",
+    ("GET", "/v1/tinker/workers/{worker_id}/events"): "text/event-stream",
+    ("GET", "/v1/tinker/runs/{run_id}/events"): "text/event-stream",
     ("GET", "/metrics"): "text/plain",
 }
 

@@ -84,7 +84,7 @@ def completion_body(req: tt.SampleRequest | dict[str, Any], served_model: str) -
     _refuse_unsupported(req, len(tokens))
     params = req.sampling_params
     body: dict[str, Any] = {
-        "model": served_model, "prompt": tokens, "n": req.num_samples,
+        "model": served_model, "prompt": tokens, "n": _vllm_n(req),
         "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
         # 0 still returns the sampled tokens' logprobs, which Tinker always answers with.
         "logprobs": req.topk_sample_logprobs,
@@ -102,6 +102,13 @@ def completion_body(req: tt.SampleRequest | dict[str, Any], served_model: str) -
     if req.prompt_logprobs or req.topk_prompt_logprobs:
         body["prompt_logprobs"] = req.topk_prompt_logprobs  # 0: each prompt token's own only
     return body
+
+
+def _vllm_n(req: tt.SampleRequest) -> int:
+    """How many samples vLLM is asked for. Greedy sampling (temperature 0) gives every sample the
+    same tokens, and vLLM refuses n > 1 with it ("n must be 1 when using greedy sampling"), while
+    Tinker's quick start asks for 8: one is sampled, and the answer repeats it."""
+    return 1 if req.sampling_params.temperature == 0 else req.num_samples
 
 
 def _stop(stop: str | Sequence[str] | Sequence[int] | None) -> dict[str, Any]:
@@ -128,8 +135,9 @@ def sample_response(vllm_json: dict[str, Any], req: tt.SampleRequest | dict[str,
     req = _request(req)
     tokens = prompt_tokens(req)
     choices = sorted(vllm_json.get("choices") or [], key=lambda c: c["index"])
-    if len(choices) != req.num_samples:
+    if len(choices) != _vllm_n(req):
         raise ValueError(f"vLLM answered {len(choices)} choices for num_samples={req.num_samples}")
+    choices = choices * (req.num_samples // len(choices))  # greedy: the one sample, num_samples times
     k_sample = req.topk_sample_logprobs
     sequences = [_sequence(choice, k_sample) for choice in choices]
 
