@@ -13,7 +13,7 @@ import logging
 from typing import TypeVar
 
 from nats.js import JetStreamContext
-from nats.js.errors import NoKeysError, NotFoundError
+from nats.js.errors import InvalidKeyError, NoKeysError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 from pydantic import BaseModel
@@ -57,6 +57,8 @@ class TinkerStore:
         try:
             entry = await self._kv[bucket].get(key)
         except NotFoundError:  # KeyNotFoundError and KeyDeletedError both are
+            return None
+        except InvalidKeyError:  # a client's id with characters no key of ours has: none such
             return None
         return kind.model_validate_json(entry.value) if entry.value else None
 
