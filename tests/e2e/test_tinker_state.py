@@ -208,3 +208,24 @@ def test_calls_run_in_seq_id_order_whatever_order_they_arrive_in(service, tiny, 
     assert optim_done.payload is not None
     metrics = json.loads(optim_done.payload.inline_bytes())["metrics"]
     assert metrics["grad_norm:mean"] > 0  # the step had the forward_backward's gradients
+
+
+def test_a_client_side_custom_loss_trains(service, tiny):
+    """forward_backward_custom: the SDK takes logprobs from a forward pass, computes the loss and
+    its gradient itself, and sends them back as cross-entropy weights (negative ones included)."""
+    import torch
+
+    client = service.create_lora_training_client(base_model=tiny, rank=4, seed=5).result()
+    data = data_of(client.get_tokenizer())
+
+    def mean_nll(batch, logprobs_list):
+        loss = -torch.stack([lp.mean() for lp in logprobs_list]).mean()
+        return loss, {"mean_nll": float(loss.detach())}
+
+    first = client.forward_backward_custom(data, mean_nll).result()
+    client.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    for _ in range(5):
+        client.forward_backward_custom(data, mean_nll).result()
+        client.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    last = client.forward_backward_custom(data, mean_nll).result()
+    assert last.metrics["mean_nll"] < first.metrics["mean_nll"], (first.metrics, last.metrics)
