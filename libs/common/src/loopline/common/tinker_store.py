@@ -123,6 +123,9 @@ class TinkerStore:
     async def delete_checkpoint(self, model_id: str, kind: str, name: str) -> None:
         await self._kv[subjects.TINKER_CHECKPOINTS_BUCKET].delete(self.checkpoint_key(model_id, kind, name))
 
+    async def all_checkpoints(self) -> list[TinkerCheckpoint]:
+        return await self._all(subjects.TINKER_CHECKPOINTS_BUCKET, TinkerCheckpoint)
+
     async def checkpoints(self, model_id: str) -> list[TinkerCheckpoint]:
         kv = self._kv[subjects.TINKER_CHECKPOINTS_BUCKET]
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shlex
+import shutil
 import sys
 import time
 
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 
 # A worker that has not started within this long (a Slurm queue that never runs it) is failed.
 START_TIMEOUT_S = 1800.0
+# Expired checkpoints are looked for this often: a TTL is hours or days, the listing is not free.
+EXPIRY_INTERVAL_S = 30.0
 
 
 class SessionWorkers:
@@ -130,6 +133,25 @@ class SessionWorkers:
                     await self._ended(latest, "failed", f"it ended {state.value}"
                                       + (f"; its last output:\n{tail}" if tail else ""))
 
+    async def expire_checkpoints(self) -> int:
+        """Forget, and delete the files of, every checkpoint saved with a ``ttl_seconds`` that has
+        run out. Replicas keep serving a sampler save they loaded until they unload it."""
+        now, expired = time.time(), 0
+        for checkpoint in await self.store.all_checkpoints():
+            if checkpoint.expires_at is None or checkpoint.expires_at > now:
+                continue
+            path = tinker_names.parse_path(checkpoint.tinker_path)
+            if path.kind == "weights":
+                folder = tinker_names.state_dir(self.jobs_dir, path.model_id, path.name)
+            else:
+                folder = self.jobs_dir / (checkpoint.adapter or "")
+            await self.store.delete_checkpoint(path.model_id, path.kind, path.name)
+            if folder != self.jobs_dir:
+                await asyncio.to_thread(shutil.rmtree, folder, True)
+            expired += 1
+            log.info("checkpoint %s expired", checkpoint.tinker_path)
+        return expired
+
     async def _ended(self, worker: TinkerWorker, state: str, why: str | None) -> None:
         worker.state = "released" if state == "released" else "failed"
         worker.error = why
@@ -180,12 +202,16 @@ class SessionWorkers:
 
 
 async def tinker_workers_loop(workers: SessionWorkers, stopping: asyncio.Event, interval_s: float) -> None:
-    """The trainer's ``tinker-workers`` loop."""
+    """The trainer's ``tinker-workers`` loop: session workers followed, expired checkpoints removed."""
     # Invariant: every worker whose run ended before the last pass is released or failed, and
-    # none of its calls is left without an answer.
+    # none of its calls is left without an answer; no checkpoint expired EXPIRY_INTERVAL_S ago.
+    expired_at = 0.0
     while not stopping.is_set():
         try:
             await workers.reconcile()
+            if time.monotonic() - expired_at >= EXPIRY_INTERVAL_S:
+                await workers.expire_checkpoints()
+                expired_at = time.monotonic()
         except Exception:  # NATS restarting, a launcher hiccup: the next pass tries again
             log.exception("following the session workers failed; trying again")
         if await pause(stopping, interval_s):
