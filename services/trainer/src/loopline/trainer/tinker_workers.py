@@ -90,7 +90,7 @@ class SessionWorkers:
                "LOOPLINE_TINKER_WORKER_ID": worker.worker_id, "LOOPLINE_TINKER_BASE_MODEL": base_model,
                "LOOPLINE_TINKER_MODEL_PATH": model_path,
                "LOOPLINE_TINKER_IDLE_TTL_S": str(settings.tinker_idle_ttl_s),
-               "LOOPLINE_REPLICA_ID": f"tinker-worker-{worker.worker_id[:12]}",
+               "LOOPLINE_REPLICA_ID": worker.worker_id[:12],
                "LOOPLINE_METRICS_PORT": "0"}
         program = (shlex.split(settings.tinker_worker_command) if settings.tinker_worker_command
                    else [sys.executable, "-m", "loopline.ml.tinker"])
