@@ -19,6 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -162,16 +163,26 @@ class SessionWorker:
 
     # --- heartbeat and events ---------------------------------------------------------------------
     async def heartbeat_loop(self, stopping: asyncio.Event) -> None:
-        # Invariant: the worker's record says it is ready, with the models it holds, as of at most
-        # heartbeat_s ago.
+        # Invariant: the worker's record says it is ready, with the models it holds, as of the last
+        # beat NATS answered (at most heartbeat_s ago while it answers).
         while True:
-            worker = await self.store.worker(self.settings.tinker_worker_id)
-            if worker is not None and worker.state in ("starting", "ready"):
-                worker.state, worker.heartbeat_at = "ready", time.time()
-                worker.models = sorted(self.queues)
-                await self.store.put_worker(worker)
+            try:
+                await self._beat()
+            except (TimeoutError, nats.errors.Error) as exc:  # nats' TimeoutError subclasses it
+                # A busy or reconnecting NATS missed one beat: the next one records it. Letting the
+                # loop die would end the process and lose every client's training state (it did, on
+                # a machine swapping at load 100, 12 iterations into a cookbook RL run).
+                log.warning("heartbeat not recorded (%s: %s); trying again in %.1f s",
+                            type(exc).__name__, exc, self.settings.heartbeat_s)
             if await pause(stopping, self.settings.heartbeat_s):
                 return
+
+    async def _beat(self) -> None:
+        worker = await self.store.worker(self.settings.tinker_worker_id)
+        if worker is not None and worker.state in ("starting", "ready"):
+            worker.state, worker.heartbeat_at = "ready", time.time()
+            worker.models = sorted(self.queues)
+            await self.store.put_worker(worker)
 
     def emit(self, event: SessionEvent) -> None:
         js = self.rt.js
