@@ -13,7 +13,7 @@ import logging
 from typing import TypeVar
 
 from nats.js import JetStreamContext
-from nats.js.errors import InvalidKeyError, NoKeysError, NotFoundError
+from nats.js.errors import InvalidKeyError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 from pydantic import BaseModel
@@ -65,14 +65,20 @@ class TinkerStore:
     async def _put(self, bucket: str, key: str, record: BaseModel) -> None:
         await self._kv[bucket].put(key, record.model_dump_json().encode())
 
-    async def _all(self, bucket: str, kind: type[Record]) -> list[Record]:
-        kv = self._kv[bucket]
-        try:
-            keys = await kv.keys()
-        except (NoKeysError, NotFoundError):  # an empty bucket
-            return []
+    async def _keys(self, bucket: str, under: str | None = None) -> list[str]:
+        """The bucket's keys (those starting ``under.``), from the stream's subject counts. Not
+        nats-py's ``kv.keys()``: each call of it leaves a consumer on the bucket for five minutes,
+        and the trainer lists the workers every reconcile pass (at 0.25 s, 1,000 consumers, the
+        server's limit, within four minutes: bench/tinker.py found it)."""
+        prefix = f"$KV.{bucket}."
+        wanted = f"{prefix}{under}.>" if under else f"{prefix}>"
+        info = await self.js.stream_info(f"KV_{bucket}", subjects_filter=wanted)
+        return [subject[len(prefix):] for subject in (info.state.subjects or {})]
+
+    async def _all(self, bucket: str, kind: type[Record], under: str | None = None) -> list[Record]:
+        keys = await self._keys(bucket, under)
         found = await asyncio.gather(*(self._get(bucket, key, kind) for key in keys))
-        return [r for r in found if r is not None]
+        return [r for r in found if r is not None]  # deleted keys keep a marker: None
 
     async def session(self, session_id: str) -> TinkerSession | None:
         return await self._get(subjects.TINKER_SESSIONS_BUCKET, session_id, TinkerSession)
@@ -127,16 +133,8 @@ class TinkerStore:
         return await self._all(subjects.TINKER_CHECKPOINTS_BUCKET, TinkerCheckpoint)
 
     async def checkpoints(self, model_id: str) -> list[TinkerCheckpoint]:
-        kv = self._kv[subjects.TINKER_CHECKPOINTS_BUCKET]
-        try:
-            # nats-py's keys() keeps the keys a filter is a substring of (not a subject pattern):
-            # "<model key>." is this model's prefix, as "<model key>.>" matched no key at all.
-            keys = await kv.keys(filters=[f"{model_key(model_id)}."])
-        except (NoKeysError, NotFoundError):
-            return []
-        found = await asyncio.gather(*(self._get(subjects.TINKER_CHECKPOINTS_BUCKET, k, TinkerCheckpoint)
-                                       for k in keys))
-        return sorted((c for c in found if c is not None), key=lambda c: c.created_at)
+        found = await self._all(subjects.TINKER_CHECKPOINTS_BUCKET, TinkerCheckpoint, model_key(model_id))
+        return sorted(found, key=lambda c: c.created_at)
 
     # --- payloads ---------------------------------------------------------------------------------
     async def pack(self, name: str, data: bytes) -> Payload:

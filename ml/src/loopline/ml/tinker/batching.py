@@ -19,10 +19,15 @@ from .types import Datum
 # doubles it: budget about 1 GiB for them. The tiny model (vocab 1024) fits 262k tokens, a
 # 152k-vocab Qwen about 1.7k; a datum longer than the budget runs alone.
 LOGITS_BUDGET_BYTES = 1 << 30
+# The activations kept for the backward pass weigh more than the logits on a small-vocab model:
+# 8 x 256 tokens of SmolLM2 (vocab 49k, so 5.4k tokens by the logits budget) in one micro-batch
+# peaked at 6.9 GB resident (bench/tinker.py). At most this many tokens a micro-batch, whatever
+# the vocabulary; the result is the same (every loss is a sum).
+MAX_MICRO_BATCH_TOKENS = 1024
 
 
 def default_micro_batch_tokens(vocab_size: int) -> int:
-    return max(1, LOGITS_BUDGET_BYTES // (4 * vocab_size))
+    return max(1, min(MAX_MICRO_BATCH_TOKENS, LOGITS_BUDGET_BYTES // (4 * vocab_size)))
 
 
 def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:

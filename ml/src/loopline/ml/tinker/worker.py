@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 # minutes. JetStream must not hand them out again meanwhile (nobody else reads this subject).
 ACK_WAIT_S = 6 * 3600
 FETCH_BATCH = 64
+# After a failed fetch (NATS restarting, the consumer gone): a busy loop of retries cost half a
+# core in the worker and half in nats-server (seen in bench/tinker.py).
+FETCH_RETRY_S = 0.5
 
 
 @dataclass
@@ -75,9 +78,11 @@ class SessionWorker:
                 msgs = await sub.fetch(FETCH_BATCH, timeout=1.0)
             except TimeoutError:
                 msgs = []
-            except Exception as exc:  # noqa: BLE001 - NATS reconnecting: fetch again
-                log.debug("fetch failed: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - NATS reconnecting: fetch again, in a while
+                log.warning("fetching calls failed: %s; trying again", exc)
                 msgs = []
+                if await pause(stopping, FETCH_RETRY_S):
+                    return
             for msg in msgs:
                 await self._arrived(msg)
             await self._run_ready()

@@ -9,6 +9,7 @@ pinned: a client made from an earlier save keeps sampling exactly those weights)
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -93,14 +94,15 @@ async def asample(request: Request) -> dict[str, Any]:
     gateway.admission.admit(route.deployment, 1)  # 429: the SDK backs off and sends it again
     group = fresh_group()
     rid = request_id(group, 0)
-    # What the answer is turned into needs the request: kept beside the future, before the work
-    # is queued, so a fast answer never finds it missing.
-    await bus.publish_durable(gateway.js, subjects.tinker_sample_request(rid), raw, msg_id=f"{rid}.request",
-                              deadline_s=30)
     item = WorkItem(request_id=rid, group=group, index=0, model=sampler.adapter or route.info.model,
                     route="/v1/completions", body=json.dumps(vllm_body), adapter=sampler.adapter,
                     kind="openai", batch_total=1)
-    await gateway.work.publish(None, [item], route.deployment)
+    # What the answer is turned into needs the request, kept beside the future: both are stored
+    # before the reply, at once (in sequence they cost the client a round trip more).
+    await asyncio.gather(
+        bus.publish_durable(gateway.js, subjects.tinker_sample_request(rid), raw, msg_id=f"{rid}.request",
+                            deadline_s=30),
+        gateway.work.publish(None, [item], route.deployment))
     return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(body.num_samples)]}
 
 
