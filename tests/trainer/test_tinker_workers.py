@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 
 from loopline.common import tinker_names
+from loopline.common.adapter_format import WEIGHTS_FILE
+from loopline.common.job_layout import CHECKPOINTS_DIR
 from loopline.common.settings import TrainerSettings
 from loopline.common.tinker_schemas import TinkerCheckpoint
 from loopline.trainer.launchers import make_launchers
@@ -23,12 +25,12 @@ async def test_expired_checkpoints_are_forgotten_and_their_files_removed(nc, tmp
     for name, expires_at in ((kept, time.time() + 3600), (gone, time.time() - 1)):
         folder = tinker_names.state_dir(workers.jobs_dir, model_id, name)
         folder.mkdir(parents=True)
-        (folder / "adapter_model.safetensors").write_bytes(b"x")
+        (folder / WEIGHTS_FILE).write_bytes(b"x")
         await workers.store.put_checkpoint(TinkerCheckpoint(
             model_id=model_id, checkpoint_type="training", name=name, expires_at=expires_at,
             tinker_path=str(tinker_names.TinkerPath(model_id, "weights", name))), "weights")
     sampler = tinker_names.sampler_hash(model_id, "old-sampler")
-    (workers.jobs_dir / sampler / "checkpoints").mkdir(parents=True)
+    (workers.jobs_dir / sampler / CHECKPOINTS_DIR).mkdir(parents=True)
     await workers.store.put_checkpoint(TinkerCheckpoint(
         model_id=model_id, checkpoint_type="sampler", name="old-sampler", adapter=sampler,
         tinker_path=str(tinker_names.TinkerPath(model_id, "sampler_weights", "old-sampler")),
