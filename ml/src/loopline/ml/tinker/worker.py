@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -40,6 +42,25 @@ FETCH_BATCH = 64
 # After a failed fetch (NATS restarting, the consumer gone): a busy loop of retries cost half a
 # core in the worker and half in nats-server (seen in bench/tinker.py).
 FETCH_RETRY_S = 0.5
+# How long a KV read or write in the calls loop is retried before the worker gives up (and exits).
+PATIENCE_S = 120.0
+T = TypeVar("T")
+
+
+async def patiently(read: Callable[[], Awaitable[T]], what: str) -> T:
+    """``read()``, tried again while NATS does not answer (a busy or restarting server), for up to
+    PATIENCE_S: a KV timeout must not end the process, which would lose every client's state."""
+    deadline = time.monotonic() + PATIENCE_S
+    delay = 0.1
+    while True:
+        try:
+            return await read()
+        except (TimeoutError, nats.errors.Error) as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("%s failed (%s: %s); trying again", what, type(exc).__name__, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
 
 @dataclass
@@ -123,7 +144,7 @@ class SessionWorker:
     async def _run(self, call: StepCall, msg: Msg) -> None:
         queue = self.queues.setdefault(call.model_id, ModelQueue())
         queue.last_used = self.idle_since = time.monotonic()
-        model = await self.store.model(call.model_id)
+        model = await patiently(lambda: self.store.model(call.model_id), "reading the model record")
         if model is None or model.worker_id != self.settings.tinker_worker_id:
             log.error("dropping %s for %s: no such model on this worker", call.kind, call.model_id)
             await msg.ack()
@@ -132,10 +153,10 @@ class SessionWorker:
         if result is None:  # finished in the background; acked there
             self._spawn_ack_later(call, msg)
             return
-        await self.store.finish(result)
+        await self.store.finish(result)  # retried through NATS outages (publish_durable)
         await msg.ack()
         model.last_request_at = time.time()
-        await self.store.put_model(model)
+        await patiently(lambda: self.store.put_model(model), "recording the model's last request")
 
     def _spawn_ack_later(self, call: StepCall, msg: Msg) -> None:
         finish = self.calls.pending.pop(call.request_id)
