@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from loopline.common import launcher
+from loopline.common import launcher, nats_auth
 
 # ``LOOPLINE_<SETTING>__<MODEL KEY>``: a model key never holds two underscores in a row, so the last
 # ``__`` of a variable is where its model key starts.
@@ -100,7 +100,7 @@ def plan_deployments(models: str, replicas: int, environ: Mapping[str, str]) -> 
 class LocalStack:
     def __init__(self, state_dir: Path, model: str, *, host: str = "127.0.0.1", port: int | None = None,
                  nats_port: int | None = None, nats_monitor_port: int | None = None, replicas: int = 1,
-                 env: dict[str, str] | None = None, models_dir: Path | None = None):
+                 env: dict[str, str] | None = None, models_dir: Path | None = None, nats_auth: bool = False):
         self.state_dir = Path(state_dir).resolve()
         self.models_dir = Path(models_dir).resolve() if models_dir else self.state_dir / "models"
         self.model = model
@@ -110,6 +110,9 @@ class LocalStack:
         self.nats_monitor_port = nats_monitor_port or launcher.free_port()
         self.replicas = replicas
         self.extra_env = env or {}
+        # NATS with one user per role (nats_permissions.py), as compose and Helm run it; each
+        # service's URL gets its own password (launcher.start_service). `make up` runs without.
+        self.nats_auth = nats_auth
         # Per-deployment variables come from the stack's environment as much as from ``env``.
         self.deployments = plan_deployments(model, replicas, {**os.environ, **self.extra_env})
         self.nats: launcher.Proc | None = None
@@ -151,6 +154,8 @@ class LocalStack:
             "LOOPLINE_PORT": str(self.port),
             # Training jobs: Slurm when a controller answers, else a local process per job.
             "LOOPLINE_JOBS_DIR": str(self.jobs_dir),
+            **({nats_auth.AUTH_DIR_VARIABLE: str(nats_auth.auth_dir(self.state_dir))}
+               if self.nats_auth else {}),
             **self.extra_env,
         }
 
@@ -220,8 +225,9 @@ class LocalStack:
             time.sleep(0.2)
 
     def start_nats(self) -> launcher.Proc:
+        config = nats_auth.write_local_config(self.state_dir)[0] if self.nats_auth else None
         self.nats = launcher.start_nats(self.state_dir / "nats", self.nats_port, self.nats_monitor_port,
-                                        self.logs / "nats.log")
+                                        self.logs / "nats.log", config)
         return self.nats
 
     def restart_nats(self) -> None:
@@ -235,6 +241,31 @@ class LocalStack:
         proc = launcher.start_service("inference", env, self.logs / f"inference-{name}.log", replica=name)
         self.inference[name] = proc
         return proc
+
+    def restart_service(self, service: str, *, kill: bool = True) -> launcher.Proc:
+        """``kill -9`` one of ``queue``, ``trainer``, ``checkpoint-watcher``, ``gateway`` (with
+        ``kill=False``: only if it died) and start it again, same environment, same log, same port.
+        For the fault tests and the soak; a restarted gateway is waited for until it is ready."""
+        attribute = service.replace("-", "_")
+        old: launcher.Proc | None = getattr(self, attribute, None)
+        if service not in launcher.SERVICE_MODULES or service == "inference" or old is None:
+            raise ValueError(f"no running {service!r} to restart")
+        if kill:
+            launcher.kill(old)
+        env = self.gateway_env() if service == "gateway" else self.env()
+        proc = launcher.start_service(service, env, old.log_path)
+        setattr(self, attribute, proc)
+        if service == "gateway":
+            launcher.wait_gateway_ready(proc, self.url)
+        return proc
+
+    def restart_replica(self, name: str, *, kill: bool = True) -> launcher.Proc:
+        """``kill -9`` replica ``name`` (with ``kill=False``: only if it died) and start it again for
+        the same deployment."""
+        deployment = next(d for d in self.deployments if name in self.replica_names(d))
+        if kill:
+            launcher.kill(self.inference[name])
+        return self.start_replica(name, deployment)
 
     def procs(self) -> list[launcher.Proc]:
         return [p for p in (self.nats, self.queue, self.trainer, self.checkpoint_watcher,
