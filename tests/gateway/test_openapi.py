@@ -1,6 +1,7 @@
 """The gateway's OpenAPI document as a real gateway process serves it: vLLM's own request bodies on the
 relayed routes (vllm_openapi.json, which must be what the installed vLLM documents), every other
-route's statuses from route_statuses.ROUTES, the middleware's 401 and 413, and no dangling reference.
+route's statuses from route_statuses.ROUTES (and its API-key scope in route_scopes.ROUTE_SCOPES), the
+middleware's 401 and 413, and no dangling reference.
 Whether the routes answer only what is listed is the fuzz run's job (tests/e2e/test_fuzz.py)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 from loopline.common import launcher
 from loopline.common.schemas import QUEUED_ROUTES
 from loopline.gateway.openapi_docs import STATUSES, VLLM_OPENAPI, vllm_document
+from loopline.gateway.route_scopes import ANY_KEY, OPEN, ROUTE_SCOPES, SCOPES
 from loopline.gateway.route_statuses import ROUTES
 from support.gateway_process import start_gateway
 
@@ -77,6 +79,12 @@ def test_every_other_route_lists_the_statuses_it_answers(document):
     assert train["required"] == ["file"]
     chunk = ops["POST", "/v1/megatron/upload/chunk"]
     assert {p["name"] for p in chunk["parameters"]} == {"X-Upload-Id", "X-Chunk-Index", "X-Chunk-Hash"}
+
+
+def test_every_route_needs_a_scope(document):
+    # A route added without its API-key scope (route_scopes.py), or an entry left behind, fails here.
+    assert set(operations(document)) == set(ROUTE_SCOPES)
+    assert set(ROUTE_SCOPES.values()) <= {*SCOPES, OPEN, ANY_KEY}
 
 
 def test_errors_are_documented_in_the_shape_they_are_answered_in(document, nats_proc):

@@ -1,5 +1,6 @@
 """``loopline``: submit, follow, inspect and plot training jobs through the gateway's HTTP API; the
-Tinker API's sessions, runs and checkpoints under ``loopline tinker`` (tinker_commands.py).
+Tinker API's sessions, runs and checkpoints under ``loopline tinker`` (tinker_commands.py); the
+gateway's API keys under ``loopline keys`` (keys_commands.py).
 
 Data (hashes, tables, log lines) goes to stdout; progress, notices and errors go to stderr, so
 ``HASH=$(loopline train data.jsonl --no-follow)`` works (console.py).
@@ -22,7 +23,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from loopline.cli import archive, plot as plotting, tinker_commands
+from loopline.cli import archive, keys_commands, plot as plotting, tinker_commands
 from loopline.cli.client import DEFAULT_URL, EXIT_FAILED, EXIT_USER, CliError, Gateway
 from loopline.cli.console import Target, err, gateway, handles_errors, out
 from loopline.cli.follow import FINISHED_STATUSES, follow as follow_job, short
@@ -31,6 +32,7 @@ app = typer.Typer(name="loopline",
                   help="Train, follow and inspect Loopline jobs over the gateway's HTTP API.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 app.add_typer(tinker_commands.app, name="tinker")
+app.add_typer(keys_commands.app, name="keys")
 STATUS_COLOURS = {"COMPLETED": "green", "FAILED": "red", "CANCELLED": "yellow", "TRAINING": "cyan"}
 
 

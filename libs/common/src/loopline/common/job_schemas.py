@@ -41,6 +41,9 @@ class JobSubmit(BaseModel):
     dataset_bytes: int
     examples: int
     code_sha256: Sha256Hex | None = None  # object name of a deterministic tar of the job's own ml/
+    # The name of the API key that submitted it (gateway/api_keys.py); None when keys are off. A key
+    # without the admin scope may cancel or restart only its own jobs.
+    owner: str | None = Field(default=None, max_length=64)
 
 
 class JobRef(BaseModel):
@@ -81,6 +84,7 @@ class JobInfo(BaseModel):
     history: list[HistoryPoint] = Field(default_factory=list)
     checkpoints: list[CheckpointInfo] = Field(default_factory=list)
     error: str | None = None
+    owner: str | None = None  # JobSubmit.owner of its first submit
     # Filled in by the gateway from the served models, not by the trainer.
     deployed: bool = False
 

@@ -103,7 +103,12 @@ class GatewaySettings(CommonSettings):
     # Empty means no keys, as ScalarLM (whose client sends none).
     api_keys: str = Field(default="", description=(
         "Comma-separated API keys; when set, every `/v1` route but `/v1/health/keepalive` wants "
-        "`Authorization: Bearer <key>` (401 otherwise)."))
+        "`Authorization: Bearer <key>` (401 otherwise). These keys hold every scope."))
+    # Re-read when it changes (at most once a second), so keys are added and revoked without a
+    # restart; `loopline keys create/list/revoke` writes it.
+    api_keys_file: Path | None = Field(default=None, description=(
+        "A JSON file of hashed API keys, each with its scopes (`inference`, `training`, `admin`) and "
+        "limits, written by `loopline keys`; when set, keys are on (with `LOOPLINE_API_KEYS` too)."))
 
     @property
     def api_key_set(self) -> frozenset[str]:

@@ -1,7 +1,13 @@
-"""Optional API keys: with ``LOOPLINE_API_KEYS`` set, every ``/v1`` route but the container health
-probe wants ``Authorization: Bearer <key>`` (what the ``openai`` client sends as its ``api_key``),
-and every Tinker route (``/api/v1``) wants ``X-API-Key: <key>`` (what the ``tinker`` SDK sends; it
-insists its keys start with ``tml-``, so give Tinker users such a key).
+"""Optional API keys, with scopes and per-key limits. With ``LOOPLINE_API_KEYS`` or
+``LOOPLINE_API_KEYS_FILE`` set, every ``/v1`` route but the container health probe wants
+``Authorization: Bearer <key>`` (what the ``openai`` client sends as its ``api_key``), and every
+Tinker route (``/api/v1``) wants ``X-API-Key: <key>`` (what the ``tinker`` SDK sends; it insists its
+keys start with ``tml-``, as ``loopline keys create`` makes them).
+
+In order, a request is answered 401 (no key, or not one of this gateway's: key_store.py), 403 (the
+key lacks the scope its route needs: route_scopes.py), 429 with ``Retry-After`` (over the key's
+queue share or rate: key_limits.py), or let through with its key in ``request.state`` (job
+ownership reads it: ``api_key_of``).
 
 Off by default, because the ``scalarlm`` client sends no credentials at all: a deployment that turns
 keys on serves OpenAI-style clients, or puts ScalarLM clients behind a proxy that adds the header.
@@ -9,20 +15,33 @@ keys on serves OpenAI-style clients, or puts ScalarLM clients behind a proxy tha
 
 from __future__ import annotations
 
-import hmac
 import json
 
+from fastapi import Request
+from starlette.routing import BaseRoute, Match
+
 from loopline.gateway.errors import error_body
+from loopline.gateway.key_limits import KeyLimits
+from loopline.gateway.key_store import ApiKey, KeyStore
+from loopline.gateway.route_scopes import ANY_KEY, OPEN, ROUTE_SCOPES, allows
 
 # Probed by container health checks, which carry no key.
-OPEN_PATHS = ("/v1/health/keepalive", "/api/v1/healthz")
+OPEN_PATHS = tuple(path for (_, path), need in ROUTE_SCOPES.items() if need == OPEN)
 TINKER_PREFIX = "/api/v1/"
+STATE_KEY = "api_key"
+
+
+def api_key_of(request: Request) -> ApiKey | None:
+    """The key the request came with; None when the gateway has no keys."""
+    return request.scope.get("state", {}).get(STATE_KEY)
 
 
 class ApiKeys:
-    def __init__(self, app, *, keys: frozenset[str]):
+    def __init__(self, app, *, store: KeyStore, limits: KeyLimits, routes: list[BaseRoute]):
         self.app = app
-        self.keys = [k.encode() for k in keys]
+        self.store = store
+        self.limits = limits
+        self.routes = routes  # the app's, for the templates of paths with parameters
 
     async def __call__(self, scope, receive, send):
         path = scope["path"] if scope["type"] == "http" else ""
@@ -36,18 +55,47 @@ class ApiKeys:
         else:
             header = headers.get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
-        # compare_digest on every key: how long a refusal takes says nothing about the keys (a list:
-        # any() over a generator would stop at the first match).
-        if scheme.lower() == b"bearer" and any([hmac.compare_digest(token.strip(), k) for k in self.keys]):  # noqa: C419
-            return await self.app(scope, receive, send)
-        await self._refuse(scope, send, "missing API key" if not header else "invalid API key", tinker)
+        # One hash and one dict lookup; the hash of a 256-bit random key says nothing about others.
+        key = self.store.lookup(token.strip()) if scheme.lower() == b"bearer" and token.strip() else None
+        if key is None:
+            how = "'X-API-Key: <key>'" if tinker else "'Authorization: Bearer <key>'"
+            why = "missing API key" if not header else "invalid API key"
+            return await _refuse(send, path, 401, f"{why}: send {how} with one of this gateway's API keys",
+                                 "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+        need = self._scope_needed(scope)
+        if not allows(key.scopes, need):
+            return await _refuse(send, path, 403, f"API key {key.name!r} lacks the '{need}' scope this "
+                                 f"route needs (it has: {', '.join(sorted(key.scopes))})", "permission_error")
+        refusal = self.limits.admit(key)
+        if refusal is not None:
+            return await _refuse(send, path, 429, refusal.message, "rate_limit_error",
+                                 [(b"retry-after", str(refusal.retry_after_s).encode())])
+        scope.setdefault("state", {})[STATE_KEY] = key
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.limits.release(key)
 
-    async def _refuse(self, scope, send, why: str, tinker: bool):
-        how = "'X-API-Key: <key>'" if tinker else "'Authorization: Bearer <key>'"
-        message = f"{why}: send {how} with one of this gateway's API keys"
-        payload = json.dumps(error_body(scope["path"], 401, message, type="invalid_api_key")).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": payload})
+    def _scope_needed(self, scope) -> str:
+        method = "GET" if scope["method"] == "HEAD" else scope["method"]  # a GET route answers HEAD
+        need = ROUTE_SCOPES.get((method, scope["path"]))
+        if need is not None:  # a path without parameters: most requests, one dict lookup
+            return need
+        # Matched as the router will match it (first full match wins: /train/logs/{job} before
+        # /train/{job}/events); a path no route takes (404, 405) needs only a valid key.
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match is Match.FULL:
+                return ROUTE_SCOPES.get((method, getattr(route, "path", "")), ANY_KEY)
+        return ANY_KEY
+
+
+async def _refuse(send, path: str, status: int, message: str, type: str,
+                  headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """The refusal in the route's error shape: OpenAI's on the OpenAI routes, ``{"detail"}`` on
+    ScalarLM's and the Tinker API's (errors.error_body)."""
+    payload = json.dumps(error_body(path, status, message, type=type)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": payload})

@@ -3,6 +3,9 @@ use (gateway.py) are built and started before it serves (service.py)."""
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+
 from fastapi import FastAPI
 from opentelemetry import trace
 
@@ -25,9 +28,12 @@ from loopline.gateway import (
 from loopline.gateway.api_keys import ApiKeys
 from loopline.gateway.body_limit import BodyLimit
 from loopline.gateway.gateway import Gateway
+from loopline.gateway.key_limits import KeyLimits
+from loopline.gateway.key_store import KeyStore
 from loopline.gateway.upload_chunks import ChunkStaging
 
 _tracer = tracer("loopline.gateway")
+log = logging.getLogger(__name__)
 
 
 class TraceRequests:
@@ -64,10 +70,23 @@ def create_app(settings: GatewaySettings, gateway: Gateway) -> FastAPI:
     app.include_router(tinker_events_api.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                        max_upload_bytes=settings.max_upload_bytes)
-    if settings.api_key_set:
+    keyed = bool(settings.api_key_set) or settings.api_keys_file is not None
+    if keyed:
         # Outside the body limit: an unauthenticated client gets 401 before any body is read.
-        app.add_middleware(ApiKeys, keys=settings.api_key_set)
+        app.add_middleware(ApiKeys, store=KeyStore(settings.api_keys_file, settings.api_key_set),
+                           limits=KeyLimits(settings.retry_after_s), routes=app.router.routes)
+    elif not _is_loopback(settings.host):
+        log.warning("the gateway listens on %s with no API keys: anyone who can reach it can infer, "
+                    "train and clear the queue; set LOOPLINE_API_KEYS_FILE (`loopline keys create`) "
+                    "or listen on 127.0.0.1", settings.host)
     app.add_middleware(TraceRequests)
     # The document lists every route's statuses and vLLM's request bodies (openapi_docs.py).
-    openapi_docs.install(app, api_keys=bool(settings.api_key_set))
+    openapi_docs.install(app, api_keys=keyed)
     return app
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: only localhost is known to stay on this machine
+        return host == "localhost"

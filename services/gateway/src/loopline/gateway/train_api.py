@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 
 from loopline.common import subjects
+from loopline.gateway.api_keys import api_key_of
 from loopline.gateway.errors import ApiError
 from loopline.gateway.gateway import gateway_of
 from loopline.gateway.route_statuses import TRAIN_BODY
@@ -54,8 +55,22 @@ async def list_models(request: Request):
     return ModelList(models=[model_entry(info, adapters.deployed(info.job_hash)) for info in jobs.jobs])
 
 
+async def own_job(request: Request, job: str) -> str:
+    """The job's hash, when the request's API key may control it: a key without the admin scope
+    only the jobs it submitted (route_scopes.py); with no keys on, anyone any job."""
+    key = api_key_of(request)
+    if key is None or key.is_admin:
+        return job
+    info = await trainer_of(request).get(job)
+    if info.owner != key.name:
+        raise ApiError(403, f"job {info.job_hash[:12]} was not submitted with API key {key.name!r}: "
+                       "controlling another key's job needs the 'admin' scope", type="permission_error")
+    return info.job_hash  # the job checked, even if 'latest' or the prefix now names another
+
+
 @router.post("/cancel/{job}", response_model=TrainResponse)
 async def cancel(job: str, request: Request):
+    job = await own_job(request, job)
     return respond(request, await trainer_of(request).control(subjects.SVC_TRAINER_CANCEL, job))
 
 
@@ -67,6 +82,7 @@ async def delete(job: str, request: Request):
 @router.post("/restart/{job}", response_model=TrainResponse)
 async def restart(job: str, request: Request):
     """Only a FAILED or CANCELLED job restarts; the trainer answers 409 otherwise."""
+    job = await own_job(request, job)
     return respond(request, await trainer_of(request).control(subjects.SVC_TRAINER_RESTART, job))
 
 

@@ -23,6 +23,7 @@ from loopline.common.job_hash import job_hash as hash_job
 from loopline.common.job_schemas import JobInfo, JobSubmit
 from loopline.common.settings import GatewaySettings
 from loopline.common.train_params import TrainParams, canonical
+from loopline.gateway.api_keys import api_key_of
 from loopline.gateway.errors import ApiError
 from loopline.gateway.gateway import gateway_of
 from loopline.gateway.train_models import TrainResponse, train_response
@@ -79,6 +80,7 @@ def read_archive(source: Path | IO[bytes], settings: GatewaySettings) -> archive
 async def submit_archive(request: Request, source: Path | IO[bytes], params: TrainParams) -> TrainResponse:
     settings: GatewaySettings = request.app.state.settings
     trainer = trainer_of(request)
+    key = api_key_of(request)
     # ScalarLM fills llm_name with the served model; it is part of the job, so before hashing.
     if not params.llm_name:
         params = params.model_copy(update={"llm_name": settings.model})
@@ -102,6 +104,6 @@ async def submit_archive(request: Request, source: Path | IO[bytes], params: Tra
         info = await trainer.submit(JobSubmit(
             job_hash=job_hash, params=params, dataset_sha256=archive.dataset_sha256,
             dataset_bytes=archive.dataset_bytes, examples=archive.examples,
-            code_sha256=archive.code_sha256,
+            code_sha256=archive.code_sha256, owner=key.name if key is not None else None,
         ))
     return respond(request, info)

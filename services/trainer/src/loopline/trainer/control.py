@@ -87,7 +87,7 @@ class JobControl:
                 launcher=self.launcher.name, slurm_job_id=None, attempts=0, retries=0, step_at_submit=0,
                 created_at=now, submitted_at=None, started_at=None, finished_at=None, step=0,
                 max_steps=params.max_steps, loss=None, error=None,
-                events_seq=0, events_offset=0,
+                events_seq=0, events_offset=0, owner=request.owner,
             )
             job = await asyncio.to_thread(self.registry.insert, job)
             job = await self.launch(job)

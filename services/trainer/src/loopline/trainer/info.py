@@ -32,6 +32,7 @@ def job_info(job: Job) -> JobInfo:
         checkpoints=[CheckpointInfo(step=step, path=path, created_at=mtime)
                      for step, path, mtime in jobdir.checkpoints(job.job_dir)],
         error=job.error,
+        owner=job.owner,
     )
 
 

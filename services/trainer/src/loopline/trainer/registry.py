@@ -55,6 +55,7 @@ class Job:
     events_seq: int
     events_offset: int
     events_done: bool = False
+    owner: str | None = None  # the API key that submitted it (JobSubmit.owner)
 
     @property
     def ranks(self) -> int:

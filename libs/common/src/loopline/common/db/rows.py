@@ -104,3 +104,5 @@ class JobRow(Base):
     # A finished job's last event (completed, failed, cancelled) is published; until then the
     # reconcile loop keeps publishing for it, even though the job is finished.
     events_done: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The API key that submitted the job (JobSubmit.owner); NULL when the gateway has no keys.
+    owner: Mapped[str | None] = mapped_column(String(64), nullable=True)
