@@ -20,6 +20,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loopline.common import nats_auth
+
 SERVICE_MODULES = {
     "gateway": "loopline.gateway",
     "queue": "loopline.queue",
@@ -96,22 +98,25 @@ def _wait_http(url: str, proc: Proc, timeout_s: float, ok=lambda body: True) -> 
     raise TimeoutError(f"{proc.name} not ready at {url} after {timeout_s}s:\n{proc.log_tail()}")
 
 
-def start_nats(data_dir: Path, port: int, monitor_port: int, log_path: Path) -> Proc:
+def start_nats(data_dir: Path, port: int, monitor_port: int, log_path: Path,
+               config: Path | None = None) -> Proc:
+    """A nats-server with JetStream on 127.0.0.1; ``config`` (nats_auth.write_local_config) turns
+    authentication on, one user per role."""
     data_dir.mkdir(parents=True, exist_ok=True)
     argv = [
-        nats_server_binary(), "-js", "-sd", str(data_dir),
+        nats_server_binary(), *(["-c", str(config)] if config else []), "-js", "-sd", str(data_dir),
         "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor_port),
     ]
     proc = _spawn("nats", argv, log_path)
     proc.info = {"url": f"nats://127.0.0.1:{port}", "port": port, "monitor_port": monitor_port,
-                 "data_dir": data_dir}
+                 "data_dir": data_dir, "config": config}
     _wait_http(f"http://127.0.0.1:{monitor_port}/healthz?js-enabled-only=true", proc, 15)
     return proc
 
 
 def start_service(service: str, env: dict[str, str], log_path: Path, replica: str | None = None) -> Proc:
     name = f"{service}-{replica}" if replica else service
-    env = dict(env)
+    env = nats_auth.service_env(service, env)  # its own NATS credentials, when NATS has them
     if replica:
         env["LOOPLINE_REPLICA_ID"] = replica
     return _spawn(name, [sys.executable, "-m", SERVICE_MODULES[service]], log_path, env)

@@ -194,6 +194,10 @@ class TrainerSettings(CommonSettings):
         "Run a job's own `ml/` code (arbitrary code); off, such a job is refused with 403."))
     max_code_bytes: int = Field(default=64 * MiB, description=(
         "The most bytes a job's `ml/` code may unpack to."))
+    tinker_worker_nats_url: str | None = Field(default=None, json_schema_extra=unset_means(
+        "`$LOOPLINE_NATS_URL`"), description=(
+        "The NATS URL a Tinker session worker gets, with the `tinker-worker` credentials where NATS "
+        "has authentication on (compose and Helm set it; see nats_permissions.py)."))
     reconcile_interval_s: float = Field(default=2.0, description=(
         "How often unfinished jobs are compared with the launcher and their events published."))
     max_resubmits: int = Field(default=5, description=(

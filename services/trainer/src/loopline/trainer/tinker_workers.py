@@ -84,7 +84,7 @@ class SessionWorkers:
         folder = tinker_names.worker_dir(self.jobs_dir, worker.worker_id)
         folder.mkdir(parents=True, exist_ok=True)
         settings = self.settings
-        env = {"LOOPLINE_NATS_URL": settings.nats_url,
+        env = {"LOOPLINE_NATS_URL": settings.tinker_worker_nats_url or settings.nats_url,
                "LOOPLINE_STATE_DIR": str(settings.state_dir.resolve()),
                "LOOPLINE_JOBS_DIR": str(self.jobs_dir), "LOOPLINE_LOG_LEVEL": settings.log_level,
                "LOOPLINE_TINKER_WORKER_ID": worker.worker_id, "LOOPLINE_TINKER_BASE_MODEL": base_model,
