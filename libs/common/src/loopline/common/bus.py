@@ -66,6 +66,19 @@ async def connect(url: str, name: str) -> NATS:
     )
 
 
+async def kv_keys(js: JetStreamContext, bucket: str, under: str | None = None) -> list[str]:
+    """A KV bucket's keys (those starting ``under.``), from its stream's subject counts. Not
+    nats-py's ``kv.keys()``: each call of that leaves a consumer on the bucket for five minutes (the
+    gateway's 2 s model refresh piled ~150 onto KV_MODELS; the trainer's 0.25 s reconcile in the
+    tests reached the server's 1,000-consumer limit within four minutes), and it can answer "none"
+    under load while the bucket holds keys. A deleted key keeps its marker's subject: reading it
+    finds nothing."""
+    prefix = f"$KV.{bucket}."
+    wanted = f"{prefix}{under}.>" if under else f"{prefix}>"
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=wanted)
+    return [subject[len(prefix):] for subject in (info.state.subjects or {})]
+
+
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     try:
         await js.add_stream(config)

@@ -84,6 +84,11 @@ class GatewaySettings(CommonSettings):
         "More prompts in one `/v1/generate` get 413 (use `/v1/generate/upload`)."))
     default_max_tokens: int = Field(default=16, description="`max_tokens` of a request that names none.")
     retry_after_s: int = Field(default=2, description="The `Retry-After` of a 429.")
+    # Longer than a replica's restart (vLLM loads the tiny model in ~20 s on 2 cores), so a replica
+    # being replaced does not turn its requests away; a deployment gone for good is known in a minute.
+    replica_grace_s: float = Field(default=60.0, gt=0, description=(
+        "A request for a model no inference replica has served for this long is answered 503 with "
+        "`Retry-After` at once (what was queued for it stays queued)."))
     max_dataset_bytes: int = Field(default=4 * GiB, description=(
         "A training archive may inflate to this many bytes, no more (tar bombs)."))
     max_archive_members: int = Field(default=10_000, description=(

@@ -65,18 +65,8 @@ class TinkerStore:
     async def _put(self, bucket: str, key: str, record: BaseModel) -> None:
         await self._kv[bucket].put(key, record.model_dump_json().encode())
 
-    async def _keys(self, bucket: str, under: str | None = None) -> list[str]:
-        """The bucket's keys (those starting ``under.``), from the stream's subject counts. Not
-        nats-py's ``kv.keys()``: each call of it leaves a consumer on the bucket for five minutes,
-        and the trainer lists the workers every reconcile pass (at 0.25 s, 1,000 consumers, the
-        server's limit, within four minutes: bench/tinker.py found it)."""
-        prefix = f"$KV.{bucket}."
-        wanted = f"{prefix}{under}.>" if under else f"{prefix}>"
-        info = await self.js.stream_info(f"KV_{bucket}", subjects_filter=wanted)
-        return [subject[len(prefix):] for subject in (info.state.subjects or {})]
-
     async def _all(self, bucket: str, kind: type[Record], under: str | None = None) -> list[Record]:
-        keys = await self._keys(bucket, under)
+        keys = await bus.kv_keys(self.js, bucket, under)
         found = await asyncio.gather(*(self._get(bucket, key, kind) for key in keys))
         return [r for r in found if r is not None]  # deleted keys keep a marker: None
 

@@ -31,12 +31,14 @@ class Gateway:
         # svc.trainer.*, datasets, job events
         self.trainer = TrainerClient(nc, js, settings.trainer_timeout_s)
         self.adapters = AdapterRegistry(js)  # which training jobs replicas have loaded
-        self.models = ModelDirectory(js, settings.model, self.adapters, self.trainer)  # model -> Route
+        self.services = ServiceCalls(nc)  # the queue's svc.queue.*, $SRV.PING for /v1/health
+        self.models = ModelDirectory(  # model -> Route
+            js, settings.model, self.adapters, self.trainer, census=self.services.live_deployments,
+            grace_s=settings.replica_grace_s)
         self.admission = Admission(nc, settings.retry_after_s)  # queue depth -> 429
         self.work = WorkPublisher(js, settings.retry_after_s)  # work items and batch manifests
         self.results = Results(nc, js)  # stored results, waiters, token streams
         self.answers = Answers(nc)  # this gateway's answers.<id>.* subscription
-        self.services = ServiceCalls(nc)  # the queue's svc.queue.*, $SRV.PING for /v1/health
         self.tinker = TinkerPart(nc, js, self.models)  # Tinker sessions, calls, futures
         self.js = js
 

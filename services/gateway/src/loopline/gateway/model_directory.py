@@ -4,19 +4,29 @@ Base models come from the MODELS bucket, where each inference deployment describ
 (DeploymentInfo); the bucket is re-read every MODELS_REFRESH_S, and at once when a request names a
 model not known yet. Training jobs' adapters come from the AdapterRegistry (adapters.py). A name
 that resolves to nothing is a 404 that says, as precisely as the gateway can tell, why.
+
+A MODELS entry outlives its replicas (a stack restarted with another model leaves the old one
+there), so which deployments are alive is learned apart: every refresh counts the replicas that
+answer ``$SRV.PING`` for the inference service, by the deployment in their metadata. ``/v1/models``
+lists the deployments seen alive lately; a request for one no replica has served for the grace
+period (LOOPLINE_REPLICA_GRACE_S) is answered 503 with Retry-After at once, where it used to be
+queued and wait for an answer that could not come. What was queued before stays queued: a replica
+that comes back serves it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from loopline.common import subjects
+from loopline.common import bus, subjects
 from loopline.common.job_hash import is_job_hash
 from loopline.common.runtime import pause
 from loopline.common.schemas import DeploymentInfo
@@ -30,6 +40,15 @@ log = logging.getLogger(__name__)
 MODELS_REFRESH_S = 2.0
 # How long the 404 for a job hash waits for the trainer to say whether it knows the job.
 JOB_LOOKUP_TIMEOUT_S = 2.0
+# /v1/models lists a deployment some replica answered for within this long: a few refreshes, so
+# one ping lost under load does not make a served model blink out of the list.
+LISTED_FOR_S = 3 * MODELS_REFRESH_S + 1.0
+# The Retry-After of the 503 for a deployment nobody serves: a replica (re)starting takes longer
+# than a queue's 2 s (vLLM loads the tiny model in ~20 s on 2 cores).
+UNSERVED_RETRY_AFTER_S = 10
+
+# The deployments that have a live replica now (the census: $SRV.PING of the inference service).
+Census = Callable[[], Awaitable[set[str]]]
 
 
 @dataclass(frozen=True)
@@ -53,34 +72,58 @@ class Route:
 
 class ModelDirectory:
     def __init__(self, js: JetStreamContext, default_model: str, adapters: AdapterRegistry,
-                 trainer: TrainerClient):
+                 trainer: TrainerClient, census: Census, grace_s: float):
         self.js = js
         self.default_model = default_model  # what a request that names no model gets
         self.adapters = adapters
         self.trainer = trainer
+        self.census = census
+        self.grace_s = grace_s  # a deployment with no replica for this long is answered 503
         # model name -> its deployment, as of the last successful read of the bucket.
         self.served: dict[str, DeploymentInfo] = {}
+        # deployment -> when (monotonic) a replica of it last answered the census.
+        self.seen_at: dict[str, float] = {}
+        # deployment -> when this gateway first read its MODELS entry: one never seen alive has been
+        # unserved since then as far as it can tell (a new gateway, or a deployment just announced,
+        # gives it the grace period rather than a 503 at once).
+        self.known_at: dict[str, float] = {}
         self.bucket: KeyValue | None = None  # MODELS, opened by start()
 
     async def start(self) -> None:
         self.bucket = await self.js.key_value(subjects.MODELS_BUCKET)
         await self.refresh()
+        await self.take_census()
+
+    async def take_census(self) -> None:
+        """Note which deployments have a replica answering now. A failed census notes nothing: the
+        grace period then runs on, as it would if no replica answered."""
+        try:
+            alive = await self.census()
+        except Exception as exc:  # noqa: BLE001 - NATS busy or reconnecting: ask again next time
+            log.debug("replica census failed: %s", exc)
+            return
+        now = time.monotonic()
+        for deployment in alive:
+            self.seen_at[deployment] = now
+
+    def listed(self) -> list[DeploymentInfo]:
+        """The deployments some replica answered for lately: what /v1/models shows."""
+        now = time.monotonic()
+        return [info for info in self.served.values()
+                if now - self.seen_at.get(info.deployment, -LISTED_FOR_S) <= LISTED_FOR_S]
+
+    def unserved_for(self, info: DeploymentInfo) -> float:
+        """How long no replica of ``info``'s deployment has answered, as far as we can tell."""
+        now = time.monotonic()
+        return now - self.seen_at.get(info.deployment, self.known_at.get(info.deployment, now))
 
     async def refresh(self) -> None:
-        """Re-read the served models. A read that fails for another reason than "nothing there"
-        (NATS busy or reconnecting) keeps what we knew: under load a timed-out ``keys()`` used to
-        empty the registry, and requests for a served model got 404 until the next refresh."""
+        """Re-read the served models. A read that fails (NATS busy or reconnecting) keeps what we
+        knew: under load a timed-out read used to empty the registry, and requests for a served
+        model got 404 until the next refresh."""
         assert self.bucket is not None, "start() first"
         try:
-            keys = await self.bucket.keys()
-        except NoKeysError:
-            # nats-py's keys() can say "none" while the bucket has some: its watcher signals the
-            # end when the consumer has nothing pending but before the delivered messages are
-            # counted, which happens under load. Believe "none" only when the bucket holds nothing:
-            # emptying the registry answered every request 404 for a refresh interval.
-            if await self._holds_values():
-                return
-            keys = []
+            keys = await bus.kv_keys(self.js, subjects.MODELS_BUCKET)
         except Exception as exc:  # noqa: BLE001 - keep the last known registry
             log.debug("model refresh failed: %s", exc)
             return
@@ -98,26 +141,20 @@ class ModelDirectory:
                     continue
                 info = kept
             served[info.model] = info
+            self.known_at.setdefault(info.deployment, time.monotonic())
         self.served = served
 
-    async def _holds_values(self) -> bool:
-        """Whether MODELS holds any entry (or cannot say: then assume it does)."""
-        assert self.bucket is not None, "start() first"
-        try:
-            return (await self.bucket.status()).values > 0
-        except Exception as exc:  # noqa: BLE001 - NATS busy: keep what we knew
-            log.debug("model bucket status failed: %s", exc)
-            return True
-
     async def run(self, stopping: asyncio.Event) -> None:
-        """The ``models`` loop: re-read the bucket every MODELS_REFRESH_S until told to stop."""
-        # Invariant: ``served`` is never older than MODELS_REFRESH_S plus one read, unless NATS
-        # fails us; then it holds the last models we knew, rather than none.
+        """The ``models`` loop: re-read the bucket and take the census every MODELS_REFRESH_S
+        until told to stop."""
+        # Invariant: ``served`` and ``seen_at`` are never older than MODELS_REFRESH_S plus one read
+        # each, unless NATS fails us; then they hold the last we knew, rather than nothing.
         while not await pause(stopping, MODELS_REFRESH_S):
             try:
                 await self.refresh()
             except Exception as exc:  # noqa: BLE001 - NATS down: keep the last known registry
                 log.debug("model refresh failed: %s", exc)
+            await self.take_census()
 
     async def resolve(self, name: str | None) -> Route:
         """Where ``model`` goes: a served model by name (``None``: the default model), a job hash
@@ -127,17 +164,31 @@ class ModelDirectory:
         if name not in self.served and not self.adapters.deployed(name):
             await self.refresh()
         if name in self.served:
-            return Route(self.served[name], name)
-        if name == self.default_model and len(self.served) == 1:
-            return Route(next(iter(self.served.values())), name)
+            return self._alive(Route(self.served[name], name))
+        listed = self.listed()
+        if name == self.default_model and len(listed) == 1:
+            return Route(listed[0], name)
         if name == "latest":
-            adapter = self.adapters.latest(set(self.served))
+            adapter = self.adapters.latest({info.model for info in listed} or set(self.served))
         else:
             adapter = await self.adapters.find(name)
         if adapter is not None and adapter.base_model in self.served:
-            return Route(self.served[adapter.base_model], adapter.job_hash, adapter.job_hash, adapter.step)
+            return self._alive(Route(self.served[adapter.base_model], adapter.job_hash, adapter.job_hash,
+                                     adapter.step))
         # vLLM's own type for an unknown model, so clients that match on it behave as with vllm serve.
         raise ApiError(404, await self._not_served(name, adapter), param="model", type="NotFoundError")
+
+    def _alive(self, route: Route) -> Route:
+        """``route``, unless no replica has served its deployment for the grace period: then a 503
+        at once, rather than a request queued for nobody (what is queued already stays)."""
+        unserved_s = self.unserved_for(route.info)
+        if unserved_s > self.grace_s:
+            raise ApiError(503, (
+                f"no inference replica has served {route.info.model!r} for {unserved_s:.0f} s (grace "
+                f"period {self.grace_s:g} s): start one, or name a served model "
+                f"({', '.join(sorted(i.model for i in self.listed())) or 'none now'})"),
+                param="model", headers={"Retry-After": str(UNSERVED_RETRY_AFTER_S)})
+        return route
 
     async def _not_served(self, name: str, adapter: ServedAdapter | None) -> str:
         """Why ``name`` is not servable, as precisely as we can tell (this is the error path)."""
@@ -145,7 +196,7 @@ class ModelDirectory:
             return f"job {name} adapts {adapter.base_model!r}, which no inference replica serves now"
         if name == "latest":
             return "no training job has a deployed adapter yet"
-        known = ", ".join(sorted(self.served)) or "none yet"
+        known = ", ".join(sorted(info.model for info in self.listed())) or "none now"
         if name in self.adapters.rejected:
             return f"job {name} is not deployed: {self.adapters.rejected[name]}"
         if is_job_hash(name):

@@ -40,11 +40,12 @@ SSE = "text/event-stream; charset=utf-8"
 
 @router.get("/v1/models")
 async def list_models(request: Request):
-    """The served models, then the deployed adapters (as vLLM lists LoRA modules: ``parent`` is
-    the base model, and the id is what to put in ``model``: the job hash)."""
+    """The served models (those a replica answers for now), then their deployed adapters (as vLLM
+    lists LoRA modules: ``parent`` is the base model, and the id is what to put in ``model``: the
+    job hash)."""
     gateway = gateway_of(request)
     await gateway.models.refresh()
-    served = gateway.models.served
+    served = {info.model: info for info in gateway.models.listed()}
     data: list[dict[str, Any]] = [
         {"id": info.model, "object": "model", "created": int(info.created_at), "owned_by": "loopline",
          "root": info.model, "parent": None, "max_model_len": info.max_model_len, "engine": info.engine,

@@ -44,8 +44,9 @@ STATUSES: dict[int, str] = {
          "through the queue (the message says which)",
     422: "the adapter of the job cannot be served by this deployment (the message says why)",
     429: "the deployment's queue is full (admission): retry after `Retry-After`",
-    503: "the message bus is unavailable (retry after `Retry-After`), or no replica completed the "
-         "request after several deliveries",
+    503: "the message bus is unavailable (retry after `Retry-After`), no replica has served the "
+         "model for `LOOPLINE_REPLICA_GRACE_S` (the same), or no replica completed the request after "
+         "several deliveries",
     504: "no inference replica answered in time; the request stays queued",
 }
 # vLLM documents these, but the gateway promises neither: vLLM answers a body that fails validation

@@ -19,7 +19,8 @@ NOT_JSON = "the body is not valid JSON"
 FIELDS = "a field, query parameter or header is missing or of the wrong type (the message names it)"
 MODEL = "no such model, or a job that is not deployed (the message says which and why)"
 FULL = "the deployment's queue is full (admission): retry after `Retry-After`"
-BUS = "the message bus did not take the request: retry after `Retry-After`"
+BUS = ("the message bus did not take the request, or no replica has served the model for "
+       "`LOOPLINE_REPLICA_GRACE_S`: retry after `Retry-After`")
 TRAINER = {
     502: "the trainer answered with something that is not its API",
     503: "no trainer is running, or it cannot reach Slurm or the datasets store: retry",

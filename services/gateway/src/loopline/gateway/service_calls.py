@@ -12,6 +12,7 @@ import json
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from loopline.common import subjects
 from loopline.common.service_client import Reply, ServiceClient, ServiceError
 from loopline.gateway.errors import from_service_error
 
@@ -47,3 +48,10 @@ class ServiceCalls:
         finally:
             await sub.unsubscribe()
         return replies
+
+    async def live_deployments(self) -> set[str]:
+        """The deployments with an inference replica answering now (each replica's service
+        metadata names its deployment)."""
+        instances = await self.ping(subjects.INFERENCE_SERVICE)
+        return {str(meta["deployment"]) for i in instances
+                if isinstance(meta := i.get("metadata"), dict) and meta.get("deployment")}

@@ -50,7 +50,9 @@ class TinkerPart:
         if name in served:
             return served[name]
         wanted = await asyncio.to_thread(_absolute, name)
-        for info in served.values():
+        # A deployment a replica serves now before one only its MODELS entry remembers.
+        listed = self.models.listed()
+        for info in [*listed, *(i for i in served.values() if i not in listed)]:
             if info.model_path is not None and info.model_path == wanted:
                 return info
         known = ", ".join(f"{m} ({i.model_path})" if i.model_path else m for m, i in served.items())
