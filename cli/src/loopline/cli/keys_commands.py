@@ -21,7 +21,8 @@ import typer
 from rich.table import Table
 
 from loopline.cli.client import EXIT_FAILED, EXIT_USER, CliError
-from loopline.cli.console import err, handles_errors, out
+from loopline.cli.console import err, handles_errors
+from loopline.cli.tinker_commands import _print as print_unfolded
 
 app = typer.Typer(help="API keys of a gateway: create, list, rotate, revoke (no restart needed).",
                   no_args_is_help=True)
@@ -100,7 +101,7 @@ def create(name: str = typer.Option(..., "--name", help="who or what the key is 
         if any(e.name == name for e in keys.keys):
             raise CliError(f"a key named {name!r} exists", "`loopline keys rotate` replaces it", EXIT_USER)
         keys.keys.append(entry)
-    out.print(key)
+    print(key)  # plain: no terminal markup around what is pasted into a client
     err.print(f"key {name!r} ({', '.join(entry.scopes)}) added to {file}; this is the only time it is shown",
               soft_wrap=True)
 
@@ -116,7 +117,7 @@ def rotate(name: str = typer.Argument(..., help="the key's name"), file: Path = 
         entry = _find(keys, name)
         entry.sha256 = store.key_hash(key)
         entry.created_at = time.time()
-    out.print(key)
+    print(key)  # plain: no terminal markup around what is pasted into a client
     err.print(f"key {name!r} rotated in {file}; the previous one no longer works", soft_wrap=True)
 
 
@@ -144,7 +145,7 @@ def list_keys(file: Path = FILE):
         table.add_row(e.name, ",".join(e.scopes), _or_dash(e.requests_per_minute), _or_dash(e.burst),
                       _or_dash(e.max_in_flight),
                       datetime.fromtimestamp(e.created_at).strftime("%Y-%m-%d %H:%M"), e.sha256[:12])
-    out.print(table)
+    print_unfolded(table)  # a row is one line, never cut at the terminal's width
 
 
 def _or_dash(value: float | int | None) -> str:
