@@ -12,7 +12,7 @@ import subprocess
 import nats
 import pytest
 
-from loopline.common import launcher
+from loopline.common import bus, launcher
 from support.deploy import (
     CHART_VALUES,
     CHECK_CHART,
@@ -166,10 +166,13 @@ def test_images_are_dockerfile_targets(charts):
 
 async def test_chart_nats_config_with_auth_runs(charts, tmp_path):
     """The chart's nats.conf, in a real nats-server with the environment the StatefulSet gives it:
-    the services' URL (password from the chart's Secret) gets in, a wrong password does not."""
+    a service's URL (its own password from the chart's Secret) gets in and creates the topology,
+    a wrong password does not."""
     chart = charts["chart-defaults"]
     conf = _objects(chart, "ConfigMap")["demo-loopline-nats"]["data"]["nats.conf"]
-    password = base64.b64decode(_objects(chart, "Secret")["demo-loopline-nats"]["data"]["password"]).decode()
+    secret = _objects(chart, "Secret")["demo-loopline-nats"]["data"]
+    user = "queue"
+    password = base64.b64decode(secret[user]).decode()
     port, monitor = launcher.free_port(), launcher.free_port()
     # The pod's paths and ports, moved to this test's.
     conf = (conf.replace("port: 4222", f"port: {port}").replace("http_port: 8222", f"http_port: {monitor}")
@@ -177,9 +180,11 @@ async def test_chart_nats_config_with_auth_runs(charts, tmp_path):
     assert f"port: {port}" in conf and str(tmp_path) in conf
     (tmp_path / "nats.conf").write_text(conf)
     container = _pod_spec(_objects(chart, "StatefulSet")["demo-loopline-nats"])["containers"][0]
-    user = next(e["value"] for e in container["env"] if e["name"] == "NATS_USER")
-    env = {"PATH": "/usr/bin:/bin", "SERVER_NAME": "demo-loopline-nats-0", "NATS_USER": user,
-           "NATS_PASSWORD": password}
+    env = {"PATH": "/usr/bin:/bin", "SERVER_NAME": "demo-loopline-nats-0"}
+    for variable in container["env"]:  # each role's password, from the Secret's key for it
+        if "valueFrom" in variable and "secretKeyRef" in variable["valueFrom"]:
+            key = variable["valueFrom"]["secretKeyRef"]["key"]
+            env[variable["name"]] = base64.b64decode(secret[key]).decode()
     # Popen only starts the server; nothing here waits on it outside the event loop.
     server = subprocess.Popen([launcher.nats_server_binary(), "--config", str(tmp_path / "nats.conf")],  # noqa: ASYNC220
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -197,8 +202,7 @@ async def test_chart_nats_config_with_auth_runs(charts, tmp_path):
                 await asyncio.sleep(0.1)
         else:
             raise AssertionError("the chart's nats.conf did not start a server that takes its password")
-        js = nc.jetstream()
-        assert (await js.account_info()).limits is not None  # JetStream is on
+        await bus.ensure_topology(nc.jetstream())  # JetStream is on, and the queue may create it
         await nc.close()
         try:
             await (await connect("n" + "x" * 31)).close()

@@ -93,7 +93,7 @@ cluster (so upgrades keep it), else a new random one.
 {{- include "loopline.keptSecret" (dict "root" . "secret" (include "loopline.postgresSecretName" .) "key" "password" "value" .Values.postgres.password "length" 32) -}}
 {{- end -}}
 
-{{/* The Secret that holds the chart's NATS password (key "password"). */}}
+{{/* The Secret that holds the chart's NATS passwords (a key per role). */}}
 {{- define "loopline.natsSecretName" -}}
 {{- .Values.nats.auth.existingSecret | default (include "loopline.componentName" (dict "root" . "component" "nats")) -}}
 {{- end -}}
@@ -119,18 +119,31 @@ include "loopline.keptSecret" (dict "root" $ "secret" NAME "key" KEY "value" GIV
 
 {{/*
 LOOPLINE_NATS_URL, with credentials when NATS wants them: the chart's NATS with auth puts the
-password from its Secret into the URL (Kubernetes expands $(NATS_PASSWORD), defined just before);
-an external NATS takes its URL (credentials and all) from a Secret or from nats.externalUrl.
+service's own user and password (from its Secret) into the URL (Kubernetes expands
+$(NATS_PASSWORD), defined just before); an external NATS takes its URL (credentials and all) from a
+Secret or from nats.externalUrl. Usage: include "loopline.natsEnv" (dict "root" $ "role" "gateway")
 */}}
 {{- define "loopline.natsEnv" -}}
+{{- $root := .root -}}
+{{- with .root -}}
 {{- if and .Values.nats.enabled .Values.nats.auth.enabled -}}
 - name: NATS_PASSWORD
   valueFrom:
     secretKeyRef:
       name: {{ include "loopline.natsSecretName" . }}
-      key: password
+      key: {{ $.role }}
 - name: LOOPLINE_NATS_URL
-  value: {{ printf "nats://%s:$(NATS_PASSWORD)@%s:4222" .Values.nats.auth.user (include "loopline.componentName" (dict "root" . "component" "nats")) | quote }}
+  value: {{ printf "nats://%s:$(NATS_PASSWORD)@%s:4222" $.role (include "loopline.componentName" (dict "root" . "component" "nats")) | quote }}
+{{- if eq $.role "trainer" }}
+# The Tinker session workers it starts get their own, narrower user.
+- name: NATS_TINKER_WORKER_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "loopline.natsSecretName" . }}
+      key: tinker-worker
+- name: LOOPLINE_TINKER_WORKER_NATS_URL
+  value: {{ printf "nats://tinker-worker:$(NATS_TINKER_WORKER_PASSWORD)@%s:4222" (include "loopline.componentName" (dict "root" . "component" "nats")) | quote }}
+{{- end }}
 {{- else if and (not .Values.nats.enabled) .Values.nats.externalUrlSecret.name -}}
 - name: LOOPLINE_NATS_URL
   valueFrom:
@@ -142,10 +155,11 @@ an external NATS takes its URL (credentials and all) from a Secret or from nats.
   value: {{ include "loopline.natsUrl" . | quote }}
 {{- end -}}
 {{- end -}}
+{{- end -}}
 
-{{/* Environment shared by every Loopline container. Usage: include "loopline.commonEnv" $ */}}
+{{/* Environment shared by every Loopline container but its NATS URL (loopline.natsEnv).
+Usage: include "loopline.commonEnv" $ */}}
 {{- define "loopline.commonEnv" -}}
-{{ include "loopline.natsEnv" . }}
 - name: LOOPLINE_LOG_LEVEL
   value: {{ .Values.logLevel | quote }}
 - name: LOOPLINE_STATE_DIR
