@@ -1,17 +1,25 @@
-"""ScalarLM's chunked training upload (init, chunk, finalize) against a real gateway process."""
+"""ScalarLM's chunked training upload (init, chunk, finalize) against a real gateway process, and
+behind two gateways with no sticky session: the chunks live in NATS, so each may go to either gateway
+and either finalizes."""
 
 from __future__ import annotations
 
 import hashlib
 import random
+import time
 
+import httpx
 import pytest
 import scalarlm
 from masint.engines.cray import submit_training_job
+from nats.js.object_store import OBJ_STREAM_TEMPLATE
 
+from loopline.common import launcher, subjects
 from loopline.common.job_hash import job_hash as hash_job
 from loopline.common.job_layout import DATASET_FILE
-from support.gateway_process import BASE_MODEL, MAX_CHUNK_BYTES
+from support.bus_view import BusView
+from support.gateway_process import BASE_MODEL, MAX_CHUNK_BYTES, start_gateway
+from support.nats import nats_server
 from support.training_data import archive, jsonlines, sha256
 
 CHUNK = 4096
@@ -124,3 +132,83 @@ def test_a_corrupt_whole_is_422_and_a_bad_archive_is_refused_at_finalize(http):
     send(http, session["upload_id"], 1, data[64:])
     resp = http.post("/v1/megatron/upload/finalize", json={"upload_id": session["upload_id"]})
     assert resp.status_code == 422 and "line 1" in resp.json()["detail"]
+
+
+@pytest.fixture(scope="module")
+def second_gateway(nats_proc, trainer, tmp_path_factory):
+    gw = start_gateway(nats_proc.info["url"], tmp_path_factory.mktemp("gateway-b"))
+    yield gw
+    launcher.stop(gw.proc)
+
+
+def uploads_held(nats_bus: BusView) -> int:
+    """Messages (chunks and metadata) left in the uploads object store."""
+    async def count(nc) -> int:
+        info = await nc.jetstream().stream_info(OBJ_STREAM_TEMPLATE.format(bucket=subjects.UPLOADS_BUCKET))
+        return info.state.messages
+    return nats_bus.ask(count)
+
+
+def test_chunks_alternate_between_gateways_and_the_second_finalizes(gateway, second_gateway, trainer,
+                                                                     nats_bus):
+    examples = varied_examples(250, seed=7)
+    data = archive({DATASET_FILE: jsonlines(examples)})
+    chunks = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)]
+    assert len(chunks) >= 4
+    held_before = uploads_held(nats_bus)  # unfinished uploads of the tests above
+    with httpx.Client(base_url=gateway.url, timeout=30) as a, \
+            httpx.Client(base_url=second_gateway.url, timeout=30) as b:
+        upload_id = init(a, data, {"max_steps": 23})["upload_id"]
+        # Invariant: chunks 0..index-1 went to A (even) and B (odd), each accepted.
+        for index, chunk in enumerate(chunks):
+            resp = send((a, b)[index % 2], upload_id, index, chunk)
+            assert resp.status_code == 200, resp.text
+        # Either gateway knows what the other received: init again on B resumes with all of them.
+        assert init(b, data, {"max_steps": 23}) == {"upload_id": upload_id,
+                                                    "received_chunks": list(range(len(chunks)))}
+        # A bad chunk is still refused by whichever gateway takes it, with the same statuses.
+        damaged = bytes([chunks[0][0] ^ 1]) + chunks[0][1:]
+        assert send(b, upload_id, 0, damaged, digest=hashlib.sha256(chunks[0]).hexdigest()).status_code == 422
+        assert send(b, upload_id, len(chunks), chunks[0]).status_code == 400
+
+        resp = b.post("/v1/megatron/upload/finalize", json={"upload_id": upload_id})
+        assert resp.status_code == 200, resp.text
+        job_hash = resp.json()["job_status"]["model_name"]
+        dataset = (trainer.job_dir(job_hash) / DATASET_FILE).read_bytes()
+        assert hashlib.sha256(dataset).hexdigest() == hashlib.sha256(jsonlines(examples)).hexdigest()
+        # The same archive posted whole to A is the same job.
+        whole = a.post("/v1/megatron/train", files={"file": ("dataset", data)},
+                       data={"params": '{"max_steps": 23}'})
+        assert whole.json()["job_status"]["model_name"] == job_hash
+        # Finalized: gone from NATS, and neither gateway knows the upload any more.
+        assert a.post("/v1/megatron/upload/finalize", json={"upload_id": upload_id}).status_code == 404
+    assert uploads_held(nats_bus) == held_before
+    for gw in (gateway, second_gateway):
+        assert not list((gw.state_dir / "uploads").iterdir())  # nothing left on either disk
+
+
+def test_an_unfinished_upload_expires_after_the_ttl(tmp_path):
+    """LOOPLINE_UPLOAD_TTL_S is the uploads store's TTL: an upload left unfinished goes by itself.
+    (A nats-server of its own: the TTL applies to the store every gateway on it shares.)"""
+    with nats_server(tmp_path) as nats:
+        gw = start_gateway(nats.info["url"], tmp_path / "gw", LOOPLINE_UPLOAD_TTL_S="2")
+        bus = BusView(nats.info["url"])
+        try:
+            _expires(gw, bus)
+        finally:
+            launcher.stop(gw.proc)
+
+
+def _expires(gw, nats_bus: BusView) -> None:
+    data = b"y" * 200
+    with httpx.Client(base_url=gw.url, timeout=30) as http:
+        upload_id = init(http, data, {}, chunk=100)["upload_id"]
+        assert send(http, upload_id, 0, data[:100]).status_code == 200
+        assert uploads_held(nats_bus) > 0
+        deadline = time.monotonic() + 20
+        # Invariant: the upload's objects were all there at the last look.
+        while uploads_held(nats_bus) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert uploads_held(nats_bus) == 0
+        resp = send(http, upload_id, 1, data[100:])
+        assert resp.status_code == 404 and "expired" in resp.json()["detail"]

@@ -8,9 +8,12 @@ dedupe window makes the retry safe).
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import nats
 from nats.aio.client import Client as NATS
@@ -29,14 +32,17 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.js.errors import APIError, BadRequestError, NotFoundError
+from nats.js.object_store import OBJ_ALL_META_PRE_TEMPLATE, OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from loopline.common import subjects
+from loopline.common.settings import CommonSettings
 from loopline.common.telemetry import inject_trace_headers
 
 log = logging.getLogger(__name__)
 
-RESULTS_MAX_AGE_S = 24 * 3600
 WORK_MAX_AGE_S = 24 * 3600
+# Tinker calls, futures and blobs: a day covers any client's long-poll and retries of a call.
+TINKER_MAX_AGE_S = 24 * 3600
 # Long enough to cover a nats-server restart during which publishers keep retrying.
 DEDUPE_WINDOW_S = 600
 
@@ -79,6 +85,36 @@ async def kv_keys(js: JetStreamContext, bucket: str, under: str | None = None) -
     return [subject[len(prefix):] for subject in (info.state.subjects or {})]
 
 
+async def purge_objects(js: JetStreamContext, bucket: str, prefix: str) -> int:
+    """Remove every object of ``bucket`` whose name starts with ``prefix``, chunks and metadata (no
+    delete marker stays behind); returns how many. The names come from the stream's subject counts,
+    not nats-py's ``list()``, which leaves a consumer behind for every call."""
+    stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+    meta_all = OBJ_ALL_META_PRE_TEMPLATE.format(bucket=bucket)
+    info = await js.stream_info(stream, subjects_filter=meta_all)
+    removed = 0
+    # Invariant: every object counted in ``removed`` has neither its metadata nor its chunks left.
+    for meta_subject in info.state.subjects or {}:
+        encoded = meta_subject[len(meta_all) - 1:]
+        try:
+            name = base64.urlsafe_b64decode(encoded).decode()
+        except ValueError:
+            continue  # not a name nats-py wrote
+        if not name.startswith(prefix):
+            continue
+        try:
+            meta = await js.get_last_msg(stream, meta_subject)
+            chunks = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=json.loads(meta.data or b"{}")["nuid"])
+        except (NotFoundError, KeyError, ValueError):
+            chunks = None
+        # The metadata first: a reader that finds no metadata finds no object, never half of one.
+        await js.purge_stream(stream, subject=meta_subject)
+        if chunks:
+            await js.purge_stream(stream, subject=chunks)
+        removed += 1
+    return removed
+
+
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     try:
         await js.add_stream(config)
@@ -87,8 +123,41 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
         await js.update_stream(config)
 
 
-async def ensure_topology(js: JetStreamContext, *, max_work_msgs: int = 1_000_000) -> None:
-    """Create the streams and buckets every service relies on; idempotent, any service may call it."""
+@dataclass(frozen=True)
+class Retention:
+    """How long NATS keeps results, datasets and adapters: CommonSettings' ``*_max_age_s`` (their
+    descriptions say what each covers and why its default is safe); 0 keeps forever."""
+
+    results_max_age_s: float
+    datasets_max_age_s: float
+    adapters_max_age_s: float
+
+    @classmethod
+    def of(cls, settings: CommonSettings) -> Retention:
+        return cls(settings.results_max_age_s, settings.datasets_max_age_s, settings.adapters_max_age_s)
+
+
+async def ensure_object_store(js: JetStreamContext, bucket: str, ttl_s: float) -> None:
+    """The object store ``bucket`` with its objects kept ``ttl_s`` (0: forever); an existing one is
+    brought to that TTL (nats-py's object store has no config update: its stream is updated)."""
+    stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+    try:
+        info = await js.stream_info(stream)
+    except NotFoundError:
+        await js.create_object_store(bucket, ObjectStoreConfig(storage=StorageType.FILE, ttl=ttl_s))
+        return
+    if abs((info.config.max_age or 0) - ttl_s) > 1e-3:
+        info.config.max_age = ttl_s
+        if ttl_s and (info.config.duplicate_window or 0) > ttl_s:
+            info.config.duplicate_window = ttl_s  # the server refuses a window past the max age
+        await js.update_stream(info.config)
+
+
+async def ensure_topology(js: JetStreamContext, *, max_work_msgs: int = 1_000_000,
+                          retention: Retention | None = None) -> None:
+    """Create the streams and buckets every service relies on; idempotent, any service may call it.
+    ``retention`` unset: the one LOOPLINE_*_MAX_AGE_S in the environment say, as services read it."""
+    retention = retention or Retention.of(CommonSettings())
     await _ensure_stream(
         js,
         StreamConfig(
@@ -110,9 +179,10 @@ async def ensure_topology(js: JetStreamContext, *, max_work_msgs: int = 1_000_00
             subjects=[subjects.RESULTS_ALL],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
-            max_age=RESULTS_MAX_AGE_S,
+            max_age=retention.results_max_age_s,
             # Results are idempotent by request id: a redelivered request's second answer is dropped.
-            duplicate_window=DEDUPE_WINDOW_S,
+            # (The server refuses a window longer than the stream's max age.)
+            duplicate_window=min(DEDUPE_WINDOW_S, retention.results_max_age_s),
             allow_direct=True,
         ),
     )
@@ -151,7 +221,8 @@ async def ensure_topology(js: JetStreamContext, *, max_work_msgs: int = 1_000_00
         try:
             await js.key_value(bucket)
         except NotFoundError:  # key_value raises BucketNotFoundError, a NotFoundError
-            ttl = RESULTS_MAX_AGE_S if bucket == subjects.BATCHES_BUCKET else 0
+            # A batch's manifest is what its results are found by: kept as long as they are.
+            ttl = retention.results_max_age_s if bucket == subjects.BATCHES_BUCKET else 0
             await js.create_key_value(
                 KeyValueConfig(bucket=bucket, history=1, ttl=ttl, storage=StorageType.FILE)
             )
@@ -168,11 +239,8 @@ async def ensure_topology(js: JetStreamContext, *, max_work_msgs: int = 1_000_00
         ),
     )
     await ensure_tinker_topology(js)
-    for bucket in (subjects.DATASETS_BUCKET, subjects.ADAPTERS_BUCKET):
-        try:
-            await js.object_store(bucket)
-        except Exception:  # noqa: BLE001 - nats-py raises several kinds for "no such bucket"
-            await js.create_object_store(bucket, ObjectStoreConfig(storage=StorageType.FILE))
+    await ensure_object_store(js, subjects.DATASETS_BUCKET, retention.datasets_max_age_s)
+    await ensure_object_store(js, subjects.ADAPTERS_BUCKET, retention.adapters_max_age_s)
 
 
 async def ensure_tinker_topology(js: JetStreamContext) -> None:
@@ -186,7 +254,7 @@ async def ensure_tinker_topology(js: JetStreamContext) -> None:
             # and is what the trainer fails when the worker dies.
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
-            max_age=RESULTS_MAX_AGE_S,
+            max_age=TINKER_MAX_AGE_S,
             # An SDK retry of one call has the same request id (tinker_names.request_id).
             duplicate_window=DEDUPE_WINDOW_S,
         ),
@@ -198,7 +266,7 @@ async def ensure_tinker_topology(js: JetStreamContext) -> None:
             subjects=[subjects.TINKER_FUTURES_ALL],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
-            max_age=RESULTS_MAX_AGE_S,
+            max_age=TINKER_MAX_AGE_S,
             max_msgs_per_subject=1,
             duplicate_window=DEDUPE_WINDOW_S,
             allow_direct=True,
@@ -215,7 +283,7 @@ async def ensure_tinker_topology(js: JetStreamContext) -> None:
         await js.object_store(subjects.TINKER_BLOBS_BUCKET)
     except Exception:  # noqa: BLE001 - nats-py raises several kinds for "no such bucket"
         await js.create_object_store(subjects.TINKER_BLOBS_BUCKET, ObjectStoreConfig(
-            storage=StorageType.FILE, ttl=RESULTS_MAX_AGE_S))
+            storage=StorageType.FILE, ttl=TINKER_MAX_AGE_S))
 
 
 async def _ensure_consumer(js: JetStreamContext, stream: str, durable: str, subject: str, **kw) -> None:

@@ -99,7 +99,7 @@ class Runtime:
         self._cleanups.push_async_callback(self._drain_nats)
         self.js = self.nc.jetstream()
         if topology:
-            await bus.ensure_topology(self.js)
+            await bus.ensure_topology(self.js, retention=bus.Retention.of(self.settings))
         return self.nc, self.js
 
     async def add_service(self, name: str, status_subject: str, *, description: str,

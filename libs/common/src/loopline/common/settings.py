@@ -56,6 +56,19 @@ class CommonSettings(BaseSettings):
         json_schema_extra=unset_means("`$LOOPLINE_STATE_DIR/models`"),
         description=("Prepared models (converted SmolLM2, the tiny test model) and where a Hugging "
                      "Face id is resolved; shared by stacks when set."))
+    # Retention of what NATS keeps (bus.ensure_topology applies it to existing streams too). Every
+    # service may create the topology, so these are common: give every service the same values.
+    results_max_age_s: float = Field(default=24 * 3600, gt=0, description=(
+        "How long the RESULTS stream keeps an answer (and the BATCHES bucket a batch's manifest): "
+        "the time a ScalarLM client has to collect it."))
+    datasets_max_age_s: float = Field(default=30 * 24 * 3600, ge=0, description=(
+        "How long the `datasets` object store keeps an upload (0: forever). The trainer copies a "
+        "job's dataset into the job's directory when the job is submitted, so this only has to "
+        "cover upload -> submit; a month also spares resubmitting clients the upload."))
+    adapters_max_age_s: float = Field(default=0, ge=0, description=(
+        "How long the `adapters` object store keeps a checkpoint (0: forever). A replica started "
+        "later downloads each job's latest from there, so by default it stays while its job exists; "
+        "deleting the job purges it."))
 
     @property
     def models_dir(self) -> Path:

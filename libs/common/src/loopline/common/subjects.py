@@ -24,6 +24,9 @@ CHECKPOINTS_STREAM = "CHECKPOINTS"
 DATASETS_BUCKET = "datasets"
 # Adapter checkpoints, named by content hash (checkpoint-watcher writes, inference reads).
 ADAPTERS_BUCKET = "adapters"
+# ScalarLM's chunked training uploads in progress: ``<upload id>/plan`` and ``<upload id>/<index>``,
+# kept for the gateway's upload_ttl_s, so any gateway takes any chunk and any finalizes.
+UPLOADS_BUCKET = "uploads"
 
 # --- key-value buckets ---------------------------------------------------------------------------
 # deployment key -> DeploymentInfo (written by inference replicas, watched by the gateway)
@@ -110,12 +113,21 @@ def job_events(job_hash: str) -> str:
 
 
 ADAPTER_EVENTS_ALL = "events.adapters.>"
-ADAPTER_EVENT_KINDS = ("rejected", "loaded")
+ADAPTER_EVENT_KINDS = ("rejected", "loaded", "retired")
 
 
 def adapter_event(job_hash: str, kind: str) -> str:
-    """``events.adapters.<hash>.<kind>``: a checkpoint rejected by the watcher, loaded by a replica."""
+    """``events.adapters.<hash>.<kind>``: a checkpoint rejected by the watcher, loaded by a replica,
+    or every checkpoint of a deleted job retired (adapter_retire.py)."""
     return f"events.adapters.{job_hash}.{kind}"
+
+
+def adapter_events(job_hash: str) -> str:
+    return f"events.adapters.{job_hash}.*"
+
+
+# What inference replicas follow to unload the adapters of deleted jobs.
+ADAPTER_RETIREMENTS = "events.adapters.*.retired"
 
 
 # --- checkpoints ----------------------------------------------------------------------------------
@@ -126,6 +138,11 @@ def checkpoint_subject(base: str, job_hash: str) -> str:
     """``checkpoints.<base>.<hash>``: the latest checkpoint of a job that adapts the model ``base``
     (its served name, the job's ``llm_name``); the stream keeps the last message per subject."""
     return f"checkpoints.{deployment_key(base)}.{job_hash}"
+
+
+def checkpoints_of_job(job_hash: str) -> str:
+    """Every checkpoint subject of one job, whatever model it adapts (what deleting it purges)."""
+    return f"checkpoints.*.{job_hash}"
 
 
 def checkpoints_of_base(base: str) -> str:

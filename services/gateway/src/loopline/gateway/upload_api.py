@@ -1,20 +1,22 @@
 """ScalarLM's chunked training upload: init, chunk (retried by the client on 422), finalize.
 
 Its client switches to this path above 90 MiB (proxies such as Cloudflare cap a body at 100 MB).
-Finalize hands the assembled archive to the same submit path as /v1/megatron/train.
+Finalize hands the assembled archive to the same submit path as /v1/megatron/train. The chunks are
+kept in NATS (upload_chunks.py), so init, chunks and finalize may each go to another gateway.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 
 from fastapi import APIRouter, Request
+from nats.js.errors import NotFoundError
 from pydantic import BaseModel, Field, field_validator
 
 from loopline.common.job_hash import Sha256Hex
 from loopline.common.train_params import TrainParams, canonical
 from loopline.gateway.errors import ApiError
+from loopline.gateway.gateway import gateway_of
 from loopline.gateway.route_statuses import CHUNK_BODY
 from loopline.gateway.train_models import TrainResponse
 from loopline.gateway.train_submit import submit_archive, validate_params
@@ -46,9 +48,9 @@ def staging_of(request: Request) -> ChunkStaging:
     return request.app.state.upload_staging
 
 
-def plan_of(staging: ChunkStaging, upload_id: str) -> UploadPlan:
+async def plan_of(request: Request, upload_id: str) -> UploadPlan:
     try:
-        return staging.plan(upload_id)
+        return await staging_of(request).plan(gateway_of(request).js, upload_id)
     except UnknownUpload as exc:
         raise ApiError(404, f"no upload {upload_id!r}: unknown, finished or expired; start again with "
                             "/v1/megatron/upload/init", param="upload_id") from exc
@@ -68,7 +70,7 @@ async def init(body: InitRequest, request: Request):
                             f"{-(-body.total_size // body.chunk_size)} chunks, not {body.num_chunks}")
     plan = UploadPlan(body.total_size, body.total_hash, body.chunk_size, body.num_chunks,
                       canonical(body.params))
-    upload_id, received = await asyncio.to_thread(staging_of(request).open, plan)
+    upload_id, received = await staging_of(request).open(gateway_of(request).js, plan)
     return {"upload_id": upload_id, "received_chunks": received}
 
 
@@ -86,7 +88,7 @@ async def chunk(request: Request):
     staging = staging_of(request)
     upload_id = _header(request, "X-Upload-Id")
     index_text, expected = _header(request, "X-Chunk-Index"), _header(request, "X-Chunk-Hash").lower()
-    plan = plan_of(staging, upload_id)
+    plan = await plan_of(request, upload_id)
     if not (index_text.isascii() and index_text.isdigit()) or int(index_text) >= plan.num_chunks:
         raise ApiError(400, f"X-Chunk-Index {index_text!r} is not a chunk of this upload "
                             f"(0..{plan.num_chunks - 1})", param="X-Chunk-Index")
@@ -94,18 +96,16 @@ async def chunk(request: Request):
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > settings.max_chunk_bytes:
         raise ApiError(413, f"chunk {index} is {declared} bytes; the limit is {settings.max_chunk_bytes}")
-    part = staging.new_part(upload_id)
     sha, size = hashlib.sha256(), 0
-    try:
+    with staging.new_part() as part:
         # Each piece is written as it arrives: a local write to the page cache, shorter than a thread hop.
-        with open(part, "wb") as out:  # noqa: ASYNC230
-            async for piece in request.stream():
-                size += len(piece)
-                if size > settings.max_chunk_bytes:
-                    raise ApiError(413, f"chunk {index} is larger than the limit of "
-                                        f"{settings.max_chunk_bytes} bytes")
-                sha.update(piece)
-                out.write(piece)
+        async for piece in request.stream():
+            size += len(piece)
+            if size > settings.max_chunk_bytes:
+                raise ApiError(413, f"chunk {index} is larger than the limit of "
+                                    f"{settings.max_chunk_bytes} bytes")
+            sha.update(piece)
+            part.write(piece)
         if sha.hexdigest() != expected:
             # 422 tells ScalarLM's client the chunk was damaged on the way: it sends it again.
             raise ApiError(422, f"chunk {index} has sha256 {sha.hexdigest()}, not the {expected} in "
@@ -113,30 +113,37 @@ async def chunk(request: Request):
         if size != plan.chunk_length(index):
             raise ApiError(400, f"chunk {index} is {size} bytes; this upload's chunk {index} is "
                                 f"{plan.chunk_length(index)} bytes")
-        staging.accept(upload_id, index, part)
-    finally:
-        part.unlink(missing_ok=True)
+        await staging.accept(gateway_of(request).js, upload_id, plan, index, part)
     return {"upload_id": upload_id, "chunk_index": index, "received": True, "bytes_written": size}
 
 
 @router.post("/finalize", response_model=TrainResponse)
 async def finalize(body: FinalizeRequest, request: Request):
-    staging = staging_of(request)
-    plan = plan_of(staging, body.upload_id)
-    missing = sorted(set(range(plan.num_chunks)) - set(staging.received(body.upload_id)))
+    staging, js = staging_of(request), gateway_of(request).js
+    plan = await plan_of(request, body.upload_id)
+    missing = sorted(set(range(plan.num_chunks)) - set(await staging.received(js, body.upload_id, plan)))
     if missing:
-        raise ApiError(409, f"chunks {missing[:20]} of {plan.num_chunks} have not arrived; send them, "
-                            "then finalize again", param="upload_id")
-    path, sha, size = await asyncio.to_thread(staging.assemble, body.upload_id)
-    if (sha, size) != (plan.total_hash, plan.total_size):
-        staging.discard(body.upload_id)
-        raise ApiError(422, f"the assembled upload is {size} bytes with sha256 {sha}; init declared "
-                            f"{plan.total_size} bytes with {plan.total_hash}; upload it again")
+        raise ApiError(409, _missing(missing, plan), param="upload_id")
     try:
-        response = await submit_archive(request, path, validate_params(dict(plan.params)))
-    except ApiError as exc:
-        if exc.status < 500:  # the archive itself is refused: keeping it helps nobody
-            staging.discard(body.upload_id)
-        raise
-    staging.discard(body.upload_id)
+        archive, sha, size = await staging.assemble(js, body.upload_id, plan)
+    except NotFoundError as exc:  # a chunk ran out of time between the check and the read
+        raise ApiError(409, _missing([], plan), param="upload_id") from exc
+    with archive:
+        if (sha, size) != (plan.total_hash, plan.total_size):
+            await staging.discard(js, body.upload_id)
+            raise ApiError(422, f"the assembled upload is {size} bytes with sha256 {sha}; init declared "
+                                f"{plan.total_size} bytes with {plan.total_hash}; upload it again")
+        try:
+            response = await submit_archive(request, archive, validate_params(dict(plan.params)))
+        except ApiError as exc:
+            if exc.status < 500:  # the archive itself is refused: keeping it helps nobody
+                await staging.discard(js, body.upload_id)
+            raise
+    await staging.discard(js, body.upload_id)
     return response
+
+
+def _missing(missing: list[int], plan: UploadPlan) -> str:
+    which = f"chunks {missing[:20]}" if missing else "some chunks"
+    return (f"{which} of {plan.num_chunks} have not arrived (or expired); send them, then finalize "
+            "again")

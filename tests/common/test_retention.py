@@ -1,0 +1,89 @@
+"""Retention of RESULTS, the ``datasets`` and the ``adapters`` object stores (bus.Retention, from
+LOOPLINE_*_MAX_AGE_S): ensure_topology applies it to what exists already, and old entries go while
+newer ones stay. On a real nats-server, with a retention of a few seconds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.js.errors import NotFoundError
+from nats.js.object_store import OBJ_STREAM_TEMPLATE
+
+from loopline.common import bus, subjects
+from loopline.common.settings import CommonSettings
+from support.nats import nats_server
+
+SHORT_S = 3.0
+
+
+def test_defaults_are_what_the_settings_say():
+    retention = bus.Retention.of(CommonSettings())
+    assert retention == bus.Retention(results_max_age_s=24 * 3600, datasets_max_age_s=30 * 24 * 3600,
+                                      adapters_max_age_s=0)
+
+
+@pytest.mark.asyncio
+async def test_old_entries_go_and_newer_ones_stay(tmp_path):
+    with nats_server(tmp_path) as proc:
+        nc = await bus.connect(proc.info["url"], "retention-test")
+        try:
+            js = nc.jetstream()
+            # Created with the defaults first (as an older stack left it), then brought to a short one.
+            await bus.ensure_topology(js, retention=bus.Retention.of(CommonSettings()))
+            short = bus.Retention(SHORT_S, SHORT_S, SHORT_S)
+            await bus.ensure_topology(js, retention=short)
+            for stream in (subjects.RESULTS_STREAM, *(OBJ_STREAM_TEMPLATE.format(bucket=b) for b in (
+                    subjects.DATASETS_BUCKET, subjects.ADAPTERS_BUCKET))):
+                assert (await js.stream_info(stream)).config.max_age == pytest.approx(SHORT_S)
+            datasets = await js.object_store(subjects.DATASETS_BUCKET)
+            adapters = await js.object_store(subjects.ADAPTERS_BUCKET)
+
+            async def put(tag: str) -> None:
+                await js.publish(subjects.result(f"group-{tag}", 0), tag.encode())
+                await datasets.put(f"data-{tag}", tag.encode() * 1000)
+                await adapters.put(f"job-{tag}/1", tag.encode() * 1000)
+
+            await put("old")
+            await asyncio.sleep(SHORT_S / 2)
+            await put("new")
+            # Invariant: some old entry was there at every look so far (the server expires each
+            # within about a second of its max age).
+            for _ in range(int((SHORT_S + 10) / 0.2)):
+                if not await _has(js, datasets, adapters, "old"):
+                    break
+                await asyncio.sleep(0.2)
+            assert not await _has(js, datasets, adapters, "old")
+            # The newer ones are younger than the retention still (written SHORT_S / 2 later).
+            assert await _all(js, datasets, adapters, "new")
+
+            # Back to keeping forever (0): the object stores follow too.
+            await bus.ensure_topology(js, retention=bus.Retention(SHORT_S, 0, 0))
+            info = await js.stream_info(OBJ_STREAM_TEMPLATE.format(bucket=subjects.ADAPTERS_BUCKET))
+            assert info.config.max_age == 0
+        finally:
+            await nc.close()
+
+
+async def _present(js, datasets, adapters, tag: str) -> list[bool]:
+    found = []
+    try:
+        await js.get_last_msg(subjects.RESULTS_STREAM, subjects.result(f"group-{tag}", 0))
+        found.append(True)
+    except NotFoundError:
+        found.append(False)
+    for store, name in ((datasets, f"data-{tag}"), (adapters, f"job-{tag}/1")):
+        try:
+            await store.get(name)
+            found.append(True)
+        except NotFoundError:
+            found.append(False)
+    return found
+
+
+async def _has(js, datasets, adapters, tag: str) -> bool:
+    return any(await _present(js, datasets, adapters, tag))
+
+
+async def _all(js, datasets, adapters, tag: str) -> bool:
+    return all(await _present(js, datasets, adapters, tag))
