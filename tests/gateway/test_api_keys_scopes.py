@@ -64,6 +64,15 @@ def test_openai_routes_want_inference(scoped):
     assert "'inference'" in error["message"] and "train" in error["message"]
 
 
+def test_vllms_routes_outside_v1_are_keyed_too(scoped):
+    for path in ("/tokenize", "/pooling", "/v2/rerank"):
+        assert httpx.post(f"{scoped.url}{path}", json={}).status_code == 401, path
+    with client(scoped, "infer") as infer, client(scoped, "train") as train:
+        assert infer.post("/tokenize", json={"model": "m", "prompt": "x"}).status_code not in (401, 403)
+        assert train.post("/tokenize", json={"model": "m", "prompt": "x"}).status_code == 403
+    assert httpx.get(f"{scoped.url}/openapi.json").status_code == 200  # the document stays open
+
+
 def test_scalarlm_routes_want_their_scope(scoped):
     with client(scoped, "train") as train, client(scoped, "infer") as infer, client(scoped, "boss") as boss:
         refused = train.post("/v1/generate", json={"prompts": ["x"]})

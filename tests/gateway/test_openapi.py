@@ -109,8 +109,10 @@ def test_errors_are_documented_in_the_shape_they_are_answered_in(document, nats_
     assert refs and refs <= set(schemas), refs - set(schemas)
 
 
-def test_with_api_keys_every_v1_route_but_the_probe_lists_401(nats_proc, tmp_path):
+def test_with_api_keys_every_keyed_route_lists_401_403_and_429(nats_proc, tmp_path):
     document = served_document(nats_proc.info["url"], tmp_path, LOOPLINE_API_KEYS="a-key")
     for (method, path), operation in operations(document).items():
-        keyed = path.startswith("/v1") and path != "/v1/health/keepalive"
-        assert ("401" in operation["responses"]) == keyed, (method, path)
+        need = ROUTE_SCOPES[method, path]
+        responses = operation["responses"]
+        assert ("401" in responses) == ("429" in responses) == (need != OPEN), (method, path)
+        assert ("403" in responses) == (need in SCOPES), (method, path)

@@ -120,8 +120,9 @@ class GatewaySettings(CommonSettings):
         "How long a request to the trainer may take before the gateway answers 504."))
     # Empty means no keys, as ScalarLM (whose client sends none).
     api_keys: str = Field(default="", description=(
-        "Comma-separated API keys; when set, every `/v1` route but `/v1/health/keepalive` wants "
-        "`Authorization: Bearer <key>` (401 otherwise). These keys hold every scope."))
+        "Comma-separated API keys; when set, every route but the health probes, `/metrics` and the "
+        "OpenAPI pages wants `Authorization: Bearer <key>` (`X-API-Key` on the Tinker API; 401 "
+        "otherwise). These keys hold every scope."))
     # Re-read when it changes (at most once a second), so keys are added and revoked without a
     # restart; `loopline keys create/list/revoke` writes it.
     api_keys_file: Path | None = Field(default=None, description=(

@@ -1,8 +1,8 @@
 """Optional API keys, with scopes and per-key limits. With ``LOOPLINE_API_KEYS`` or
-``LOOPLINE_API_KEYS_FILE`` set, every ``/v1`` route but the container health probe wants
-``Authorization: Bearer <key>`` (what the ``openai`` client sends as its ``api_key``), and every
-Tinker route (``/api/v1``) wants ``X-API-Key: <key>`` (what the ``tinker`` SDK sends; it insists its
-keys start with ``tml-``, as ``loopline keys create`` makes them).
+``LOOPLINE_API_KEYS_FILE`` set, every route but the health probes, ``/metrics`` and the OpenAPI
+pages wants ``Authorization: Bearer <key>`` (what the ``openai`` client sends as its ``api_key``),
+and every Tinker route (``/api/v1``) ``X-API-Key: <key>`` (what the ``tinker`` SDK sends; it insists
+its keys start with ``tml-``, as ``loopline keys create`` makes them).
 
 In order, a request is answered 401 (no key, or not one of this gateway's: key_store.py), 403 (the
 key lacks the scope its route needs: route_scopes.py), 429 with ``Retry-After`` (over the key's
@@ -25,8 +25,11 @@ from loopline.gateway.key_limits import KeyLimits
 from loopline.gateway.key_store import ApiKey, KeyStore
 from loopline.gateway.route_scopes import ANY_KEY, OPEN, ROUTE_SCOPES, allows
 
-# Probed by container health checks, which carry no key.
+# Probed by container health checks (and Prometheus), which carry no key; FastAPI's pages of the
+# OpenAPI document. Every other path wants a key: vLLM's routes outside /v1 (/pooling, /score,
+# /tokenize, ...) included, and a path no route takes (401 before its 404).
 OPEN_PATHS = tuple(path for (_, path), need in ROUTE_SCOPES.items() if need == OPEN)
+DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 TINKER_PREFIX = "/api/v1/"
 STATE_KEY = "api_key"
 
@@ -46,7 +49,7 @@ class ApiKeys:
     async def __call__(self, scope, receive, send):
         path = scope["path"] if scope["type"] == "http" else ""
         tinker = path.startswith(TINKER_PREFIX)
-        if not (path.startswith("/v1") or tinker) or path in OPEN_PATHS:
+        if scope["type"] != "http" or path in OPEN_PATHS or path in DOC_PATHS:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if tinker:

@@ -27,6 +27,7 @@ from fastapi import FastAPI
 from loopline.common.schemas import QUEUED_ROUTES
 from loopline.gateway.api_keys import OPEN_PATHS
 from loopline.gateway.errors import is_openai_path
+from loopline.gateway.route_scopes import ROUTE_SCOPES, SCOPES
 from loopline.gateway.route_statuses import GATEWAY_ERROR, MEDIA_TYPES, ROUTES
 
 VLLM_OPENAPI = Path(__file__).with_name("vllm_openapi.json")
@@ -53,7 +54,11 @@ STATUSES: dict[int, str] = {
 # with 400 (its handler), and a 500 is a fault the fuzz run (tests/e2e/test_fuzz.py) looks for.
 NOT_RELAYED = {"422", "500"}
 MIDDLEWARE_STATUSES = {
-    401: "API keys are on (`LOOPLINE_API_KEYS`) and the request has none or a wrong one",
+    401: "API keys are on (`LOOPLINE_API_KEYS`, `LOOPLINE_API_KEYS_FILE`) and the request has none "
+         "or a wrong one",
+    403: "the API key lacks the scope this route needs (the message names it; route_scopes.py)",
+    429: "the API key is over its request rate or its queue share at this gateway: retry after "
+         "`Retry-After`",
     413: "the body is larger than the limit (`LOOPLINE_MAX_BODY_BYTES`, or the upload limit)",
 }
 
@@ -106,8 +111,10 @@ def complete(doc: dict[str, Any], *, api_keys: bool) -> None:
                 # FastAPI's default 422 (its HTTPValidationError) is not what errors.py answers.
                 responses.pop("422", None)
             statuses = {**own, 413: MIDDLEWARE_STATUSES[413]}
-            if api_keys and path.startswith("/v1") and path not in OPEN_PATHS:
-                statuses[401] = MIDDLEWARE_STATUSES[401]
+            if api_keys and path not in OPEN_PATHS:
+                # A route's own 403 or 429 (ownership, a full queue) is documented as the route's.
+                keyed = {401, 429, *([403] if ROUTE_SCOPES.get((method.upper(), path)) in SCOPES else [])}
+                statuses = {**{s: MIDDLEWARE_STATUSES[s] for s in keyed}, **statuses}
             for status, text in statuses.items():
                 responses.setdefault(str(status), {"description": text,
                                                    "content": {"application/json": {"schema": error}}})
