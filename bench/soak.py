@@ -22,7 +22,7 @@ service whose RSS grew past ``--rss-ratio``, whose fds grew past ``--fd-slack``;
 consumers grew past ``--consumer-slack``; WORK messages left after the drain.
 
 The reusable part (load, probes, faults, verdict) is tests/support/soak_*.py, which
-tests/e2e/test_soak.py runs for two minutes in ``make test``.
+tests/e2e/test_soak.py runs for a minute and a half in ``make test``.
 """
 
 from __future__ import annotations

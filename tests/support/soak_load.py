@@ -56,16 +56,26 @@ def retryable(error: BaseException) -> bool:
     if isinstance(error, httpx.HTTPStatusError):
         return error.response.status_code == 429 or error.response.status_code >= 500
     return isinstance(error, (openai.APIConnectionError, httpx.TransportError, aiohttp.ClientError,
-                              ConnectionError, TimeoutError, IncompleteStream, TrainingCallFailed))
+                              ConnectionError, TimeoutError, IncompleteStream, ModelNotListed,
+                              TrainingCallFailed))
 
 
 class IncompleteStream(Exception):
     """A stream that ended without a finish reason: its gateway went away mid-answer."""
 
 
+class ModelNotListed(Exception):
+    """/v1/models without the served model: its only replica is away (listed again once back)."""
+
+
 class TrainingCallFailed(Exception):
     """The ``scalarlm`` client's train call failed: it raises a bare Exception with the body for any
     status, so a 503 cannot be told from a 4xx; retried, and a lasting 4xx ends as ``gave_up``."""
+
+
+async def quiet(error: Exception) -> None:
+    """nats-py's error callback: the soak restarts nats-server, and the default one prints each
+    refused reconnection's traceback; the client reconnects by itself."""
 
 
 class Load:
@@ -80,7 +90,8 @@ class Load:
         self.answer_deadline_s = answer_deadline_s
         self.max_tokens = max_tokens
         self.tallies = {kind: Tally() for kind in
-                        ("completion", "completion_stream", "chat", "chat_stream", "scalarlm", "training")}
+                        ("completion", "completion_stream", "chat", "chat_stream", "models", "scalarlm",
+                         "training")}
         self.stop = asyncio.Event()
         self.counter = itertools.count()
 
@@ -110,9 +121,10 @@ class Load:
 
     # --- OpenAI -----------------------------------------------------------------------------------
     async def openai_client(self, pause_s: float) -> None:
-        """One client's loop: the four OpenAI request kinds in turn, ``pause_s`` apart."""
+        """One client's loop: the four OpenAI request kinds in turn, ``pause_s`` apart, and the model
+        list between rounds (as clients that look up what they may name do)."""
         client = openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="soak", max_retries=0, timeout=120)
-        kinds = itertools.cycle(("completion", "completion_stream", "chat", "chat_stream"))
+        kinds = itertools.cycle(("completion", "completion_stream", "chat", "chat_stream", "models"))
         try:
             # Invariant: every request started by this loop has been answered or counted as given up.
             while not self.stop.is_set():
@@ -126,6 +138,11 @@ class Load:
             await client.close()
 
     async def one_openai(self, client: openai.AsyncOpenAI, kind: str, prompt: str) -> str:
+        if kind == "models":
+            listed = [m.id async for m in client.models.list()]
+            if self.model not in listed:
+                raise ModelNotListed(f"/v1/models lists {listed}, not {self.model}")
+            return ",".join(listed)
         common = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0}
         messages = [{"role": "user", "content": prompt}]
         if kind == "completion":
@@ -152,7 +169,7 @@ class Load:
     async def scalarlm_client(self, batch_size: int, pause_s: float) -> None:
         """Batches of ``batch_size`` new prompts, each polled until every prompt has its answer."""
         async with httpx.AsyncClient(base_url=self.url, timeout=120) as http:
-            nc = await nats.connect(self.nats_url, max_reconnect_attempts=-1)
+            nc = await nats.connect(self.nats_url, max_reconnect_attempts=-1, error_cb=quiet)
             try:
                 # Invariant: every batch submitted by this loop has been fully answered or given up.
                 while not self.stop.is_set():

@@ -18,6 +18,7 @@ from typing import Any
 import nats
 
 from loopline.common.stack import LocalStack
+from support.soak_load import quiet
 
 # nats-server's /varz figures worth following over hours.
 VARZ_FIELDS = ("mem", "connections", "subscriptions", "slow_consumers", "in_msgs", "out_msgs")
@@ -82,7 +83,7 @@ def process_sample(stack: LocalStack) -> dict[str, dict]:
 
 async def nats_sample(nats_url: str, monitor_port: int | None) -> dict[str, Any]:
     """Each stream's messages, bytes and consumers, and the server's /varz figures."""
-    nc = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=3)
+    nc = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=3, error_cb=quiet)
     try:
         streams = {}
         # Invariant: streams holds every stream listed before this one.
