@@ -25,9 +25,10 @@ def nats_proc(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trainer(nats_proc, tmp_path_factory):
-    # Jobs may ship their own ml/ code (the scalarlm client sends ./ml when there is one).
+    # Jobs may ship their own ml/ code (the scalarlm client sends ./ml when there is one); run as
+    # root, not nobody: this environment's python may live where nobody cannot enter (/root/.pyenv).
     proc = TrainerProcess(nats_proc.info["url"], tmp_path_factory.mktemp("trainer"), model=BASE_MODEL,
-                          allow_user_code=True).start()
+                          allow_user_code=True, job_user="root").start()
     yield proc
     proc.close()
 

@@ -101,6 +101,9 @@ def test_ml_code_travels_as_its_own_object(llm, trainer, nats_bus, tmp_path):
     (tmp_path / "ml" / "cray_megatron" / "main.py").write_text("print('my loop')\n")
     reply = llm.train(EXAMPLES, train_args={"max_steps": 4})
     job_hash = reply["job_status"]["model_name"]
+    # The answer says the job runs the code it shipped (keys ScalarLM's client does not read).
+    config = reply["job_config"]
+    assert config["ml_code"] == "shipped" and "runs the ml/ code" in config["ml_code_note"]
     info = nats_bus.ask_trainer(subjects.SVC_TRAINER_GET, JobRef(job=job_hash), JobInfo)
     code = nats_bus.dataset(info.code_sha256)
     assert sha256(code) == info.code_sha256 and b"print('my loop')" in code
@@ -109,6 +112,15 @@ def test_ml_code_travels_as_its_own_object(llm, trainer, nats_bus, tmp_path):
     assert job_hash == hash_job(params, sha256(jsonlines(EXAMPLES)), info.code_sha256)
     main = trainer.job_dir(job_hash) / CODE_DIR / "cray_megatron" / "main.py"
     assert main.read_text() == "print('my loop')\n"
+
+
+def test_the_client_run_in_a_loopline_checkout_ships_loopline_own_ml(gateway, trainer, monkeypatch):
+    # This repository's ml/ holds the installed loopline.ml (an editable install): not user code.
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    llm = scalarlm.SupermassiveIntelligence(api_url=gateway.url)
+    reply = llm.train(EXAMPLES, train_args={"max_steps": 2, "seed": 7})
+    assert reply["job_config"]["ml_code"] == "installed"
+    assert not (trainer.job_dir(reply["job_status"]["model_name"]) / CODE_DIR).exists()
 
 
 def test_unknown_job_is_404_everywhere(http):

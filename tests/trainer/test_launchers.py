@@ -75,11 +75,18 @@ def test_slurm_runs_finds_and_cancels_jobs(slurm_launcher, tmp_path):
     assert slurm_launcher.find("hash-other") is None
     assert "hash-one" in slurm_launcher.queue_text()
     assert slurm_launcher.cluster_info() == (0, 1)
+    # RUNNING comes before the script starts: with --export naming variables, slurmd first loads
+    # the account's login environment (`su - user -c env`, ~2 s here).
+    log = d / jobdir.log_name("slurm", run_id)
+    deadline = time.monotonic() + 30
+    while not (log.exists() and "hello" in log.read_text()):
+        assert time.monotonic() < deadline, "the job never started"
+        time.sleep(0.1)
 
     slurm_launcher.cancel(run_id)
     assert wait_for(slurm_launcher, run_id, lambda s: s.ended) is LaunchState.CANCELLED
     slurm_launcher.cancel(run_id)  # ended already: not an error
-    assert (d / jobdir.log_name("slurm", run_id)).read_text().startswith(f"hello from {run_id}")
+    assert log.read_text().startswith(f"hello from {run_id}")
     # A job the controller never had (or purged) is GONE; sacct does not answer here.
     assert slurm_launcher.states([run_id, "999999"]) == {run_id: LaunchState.CANCELLED,
                                                          "999999": LaunchState.GONE}

@@ -249,7 +249,9 @@ async def test_user_code_is_refused_unless_allowed_and_unsafe_archives_always(st
     assert [p.name for p in jobs_dir.iterdir() if not p.name.startswith(".")] == []
     processes.stop(proc)
 
-    await start_trainer("local", allow_user_code="true")
+    # job_user root: the stand-in is this environment's python, which may live where nobody cannot
+    # enter (/root/.pyenv); tests/trainer/test_job_env.py runs user code as nobody.
+    await start_trainer("local", allow_user_code="true", job_user="root")
     for bad in (code_tar({"ml/../../escaped.py": b"x"}), code_tar({"/tmp/absolute.py": b"x"}),
                 code_tar({"ml/ok.py": b"x"}, links={"ml/out": "/etc"}),
                 code_tar({"ml/ok.py": b"x"}, links={"ml/up": "../../.."}),
@@ -261,6 +263,7 @@ async def test_user_code_is_refused_unless_allowed_and_unsafe_archives_always(st
     assert not (jobs_dir.parent / "escaped.py").exists()
 
     info = await client.submit({"max_steps": 2}, code=good)
+    assert info.code_origin == "shipped"
     job_dir = jobs_dir / info.job_hash
     assert (job_dir / "ml" / "loopline_user" / "__init__.py").read_bytes() == b"VALUE = 42\n"
     assert f"export PYTHONPATH={job_dir}/ml" in (job_dir / ENTRYPOINT_FILE).read_text()

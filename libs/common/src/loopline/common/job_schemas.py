@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -75,6 +75,9 @@ class JobInfo(BaseModel):
     # From the JobSubmit; the gateway shows them in ScalarLM's job_config (dataset_hash).
     dataset_sha256: str | None = None
     code_sha256: str | None = None
+    # With a code_sha256: "shipped" (the job runs its own ml/, user code) or "installed" (its ml/
+    # was byte for byte Loopline's own loopline.ml, which runs).
+    code_origin: Literal["shipped", "installed"] | None = None
     slurm_job_id: str | None = None
     created_at: float
     started_at: float | None = None

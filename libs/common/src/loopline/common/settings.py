@@ -210,9 +210,20 @@ class TrainerSettings(CommonSettings):
         "PATH and its controller answers (`scontrol ping`)."))
     # A job's own ml/ code runs with the trainer's privileges on the cluster: off unless trusted.
     allow_user_code: bool = Field(default=False, description=(
-        "Run a job's own `ml/` code (arbitrary code); off, such a job is refused with 403."))
+        "Run a job's own `ml/` code (arbitrary code); off, such a job is refused with 403 (an `ml/` "
+        "identical to the installed `loopline.ml` is not user code: accepted, the installed one "
+        "runs). `make up` turns it on unless set."))
     max_code_bytes: int = Field(default=64 * MiB, description=(
         "The most bytes a job's `ml/` code may unpack to."))
+    # A job sees an allowlist of the trainer's environment (loopline.common.job_env), never its secrets.
+    job_env_allow: str = Field(default="", description=(
+        "More variables a training job may see, comma-separated (`SITE_VAR,SITE_*`: a trailing `*` "
+        "is a prefix), beyond the built-in allowlist (PATH, HOME, locale, CUDA/NCCL/torch/HF, the "
+        "job's own `LOOPLINE_*`); secrets (`*_KEY`, `*_TOKEN`, `*PASSWORD*`, `*SECRET*`, the "
+        "database URL, API keys) are never passed, and URLs lose their `user:password@`."))
+    job_user: str | None = Field(default=None, json_schema_extra=unset_means(
+        "`nobody` when the trainer runs as root"), description=(
+        "The user a job's own `ml/` code runs as (when allowed); `root` keeps the trainer's user."))
     tinker_worker_nats_url: str | None = Field(default=None, json_schema_extra=unset_means(
         "`$LOOPLINE_NATS_URL`"), description=(
         "The NATS URL a Tinker session worker gets, with the `tinker-worker` credentials where NATS "

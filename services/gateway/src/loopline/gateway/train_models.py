@@ -12,6 +12,12 @@ from loopline.common.job_layout import DATASET_FILE
 from loopline.common.job_schemas import HistoryPoint, JobInfo
 from loopline.common.train_params import canonical
 
+# What a job that shipped ml/ code runs (JobInfo.code_origin), said in its job_config.
+ML_CODE_NOTES = {
+    "shipped": "this job runs the ml/ code it shipped (user code is on for this server)",
+    "installed": "the shipped ml/ is Loopline's own loopline.ml, byte for byte: the installed code runs",
+}
+
 # ScalarLM's `ls -l` shows the loss as an exponential moving average of the history.
 LOSS_EMA = 0.9
 
@@ -81,6 +87,8 @@ def train_response(info: JobInfo, deployed: bool) -> TrainResponse:
     config = {**canonical(info.params), "llm_name": info.llm_name, "adapter_type": info.adapter_type,
               "dataset_hash": info.dataset_sha256, "job_directory": info.job_directory,
               "training_data_path": f"{info.job_directory}/{DATASET_FILE}"}
+    if info.code_origin is not None:  # keys ScalarLM's client does not read: only added
+        config.update(ml_code=info.code_origin, ml_code_note=ML_CODE_NOTES[info.code_origin])
     return TrainResponse(job_status=status, job_config=config, deployed=deployed)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import shlex
+import shutil
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -18,12 +20,12 @@ from pathlib import Path
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError, ObjectNotFoundError
 
-from loopline.common import bus, subjects
-from loopline.common.job_layout import DATASET_FILE
+from loopline.common import adapter_retire, bus, job_env, subjects
+from loopline.common.job_layout import CODE_DIR, DATASET_FILE
 from loopline.common.job_schemas import JobStatus, JobSubmit
 from loopline.common.settings import TrainerSettings
 from loopline.common.train_params import JobConfig, TrainParams
-from loopline.trainer import jobdir
+from loopline.trainer import jobdir, shipped_code
 from loopline.trainer.errors import CodeRefused, InvalidRequest, TrainerError, Unavailable, WrongState
 from loopline.trainer.events import EventPublisher
 from loopline.trainer.launchers import Launcher, LauncherError, LaunchSpec, LaunchState
@@ -46,6 +48,9 @@ class JobControl:
         self.js = js
         self.publisher = publisher
         self.jobs_dir = Path(settings.jobs_dir).resolve()
+        # Whom a job's own ml/ code runs as (nobody, where the trainer is root); a bad name ends
+        # the trainer at start, not a job later.
+        self.job_user = job_env.job_user(settings.job_user)
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     def lock(self, job_hash: str) -> asyncio.Lock:
@@ -70,10 +75,6 @@ class JobControl:
             existing = await asyncio.to_thread(self.registry.get, job_hash)
             if existing is not None:
                 return existing
-            if request.code_sha256 and not self.settings.allow_user_code:
-                raise CodeRefused(
-                    "this job ships its own ml/ code, and this server does not run user code "
-                    "(LOOPLINE_ALLOW_USER_CODE=true enables it for trusted users)")
             llm_name = request.params.llm_name or self.settings.model
             params = request.params.model_copy(update={"llm_name": llm_name})
             model_path = resolve_model_path(llm_name, self.settings.models_dir)
@@ -100,7 +101,11 @@ class JobControl:
             if request.code_sha256:
                 tar = staging / ".code.tar"
                 await self._fetch(request.code_sha256, tar, "code archive")
-                await asyncio.to_thread(jobdir.extract_code, tar, staging, self.settings.max_code_bytes)
+                # Loopline's own ml/ (the client run in a checkout) is not unpacked: the installed
+                # code runs, so it is no user code, allowed or not.
+                if not await asyncio.to_thread(shipped_code.is_installed_ml, tar):
+                    await self._check_user_code()
+                    await asyncio.to_thread(jobdir.extract_code, tar, staging, self.settings.max_code_bytes)
                 tar.unlink()
             config = JobConfig(job_hash=request.job_hash, model_path=model_path, params=params)
             await asyncio.to_thread(jobdir.write_config, staging, config)
@@ -111,6 +116,28 @@ class JobControl:
         except BaseException:
             await asyncio.to_thread(jobdir.remove, staging)
             raise
+
+    async def _check_user_code(self) -> None:
+        """Refuse a job's own code where user code is off, or where the job user could not run it."""
+        if not self.settings.allow_user_code:
+            raise CodeRefused(
+                "this job ships its own ml/ code, which differs from Loopline's installed loopline.ml, "
+                "and this server does not run user code (LOOPLINE_ALLOW_USER_CODE=true enables it for "
+                "trusted users)")
+        if self.job_user is None:
+            return
+        program = self._program(1)[0]
+        program = shutil.which(program) or program
+        # As the job user: can it run the program and enter the jobs directory (every folder above
+        # them must let it through)? Cheaper to ask now than to fail the job five times later.
+        check = [*self.job_user.argv(), "test", "-x", program, "-a", "-x", str(self.jobs_dir)]
+        done = await asyncio.to_thread(subprocess.run, check, stdin=subprocess.DEVNULL,
+                                       capture_output=True, timeout=10)
+        if done.returncode != 0:
+            raise CodeRefused(
+                f"this server runs a job's own ml/ code as user {self.job_user.name!r}, who cannot run "
+                f"{program} or enter {self.jobs_dir}; an operator can set LOOPLINE_JOB_USER to a user "
+                f"who can")
 
     async def _fetch(self, name: str, dest: Path, what: str) -> None:
         try:
@@ -127,22 +154,31 @@ class JobControl:
             raise Unavailable(f"could not read the {what} {name}: {type(exc).__name__}: {exc}") from exc
 
     # --- launching ------------------------------------------------------------------------------
-    def train_argv(self, job: Job) -> list[str]:
+    def _program(self, ranks: int) -> list[str]:
         if self.settings.train_command:
-            program = shlex.split(self.settings.train_command)
-        else:
-            module = "loopline.ml.parallel" if job.ranks > 1 else "loopline.ml.train"
-            # The trainer's own interpreter: the job runs in the same environment.
-            program = [sys.executable, "-m", module]
-        return [*program, "--job-dir", str(job.job_dir)]
+            return shlex.split(self.settings.train_command)
+        module = "loopline.ml.parallel" if ranks > 1 else "loopline.ml.train"
+        # The trainer's own interpreter: the job runs in the same environment.
+        return [sys.executable, "-m", module]
+
+    def train_argv(self, job: Job) -> list[str]:
+        return [*self._program(job.ranks), "--job-dir", str(job.job_dir)]
 
     async def launch(self, job: Job) -> Job:
         """Submit one run of the job (first, resubmitted, or restarted). When the launcher refuses,
         the job keeps no run id and its error says why; the reconcile loop tries again."""
         launcher = self.launcher
-        argv = launcher.rank_command(job.ranks, self.train_argv(job))
-        await asyncio.to_thread(jobdir.write_entrypoint, job.job_dir, argv,
-                                user_code=job.code_sha256 is not None)
+        program = self.train_argv(job)
+        # Its own code unpacked (user code, allowed at submit): it runs as the job user, each rank
+        # dropping privileges itself, in a directory that user owns.
+        user_code = (job.job_dir / CODE_DIR).is_dir()
+        run_as = self.job_user if user_code else None
+        if run_as is not None:
+            program = [*run_as.argv(), *program]
+            await asyncio.to_thread(jobdir.give_to, job.job_dir, run_as)
+        argv = launcher.rank_command(job.ranks, program)
+        await asyncio.to_thread(jobdir.write_entrypoint, job.job_dir, argv, user_code=user_code,
+                                run_as=run_as)
         timeout = job.params.timeout or self.settings.max_train_time_s
         spec = LaunchSpec(job.job_hash, job.job_dir, job.ranks,
                           time_limit_s=int(min(float(timeout), self.settings.max_train_time_s)))
@@ -223,7 +259,16 @@ class JobControl:
                 await self.js.purge_stream(subjects.EVENTS_STREAM, subject=f"events.jobs.{job.job_hash}.>")
             except Exception as exc:  # noqa: BLE001 - the events age out anyway
                 log.warning("job %s: could not purge its events: %s", job.job_hash, exc)
+            # The folder before the purge: the checkpoint-watcher, finding it gone after an
+            # announcement, withdraws what it announced late (adapter_retire.py).
             await asyncio.to_thread(jobdir.remove, job.job_dir)
+            try:
+                # Its adapter everywhere: announcements and objects purged, replicas unload it,
+                # gateways stop routing it. Before the row goes: a delete that fails here is retried.
+                await adapter_retire.retire(self.js, job.job_hash)
+            except Exception as exc:
+                raise Unavailable(f"could not retire job {job.job_hash}'s adapter: "
+                                  f"{type(exc).__name__}: {exc}; delete it again") from exc
             await asyncio.to_thread(self.registry.delete, job.job_hash)
             log.info("job %s deleted", job.job_hash)
             return job

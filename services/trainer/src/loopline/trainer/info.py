@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from loopline.common.job_layout import CODE_DIR
 from loopline.common.job_schemas import CheckpointInfo, HistoryPoint, JobInfo
 from loopline.trainer import jobdir
 from loopline.trainer.registry import Job
@@ -22,6 +23,7 @@ def job_info(job: Job) -> JobInfo:
         job_directory=str(job.job_dir),
         dataset_sha256=job.dataset_sha256,
         code_sha256=job.code_sha256,
+        code_origin=_code_origin(job),
         slurm_job_id=job.slurm_job_id,
         created_at=job.created_at,
         started_at=job.started_at,
@@ -34,6 +36,14 @@ def job_info(job: Job) -> JobInfo:
         error=job.error,
         owner=job.owner,
     )
+
+
+def _code_origin(job: Job) -> str | None:
+    """What ml/ code the job runs when it shipped one: its own (unpacked in its directory) or the
+    installed one (the shipped ml/ was Loopline's own, so it was not unpacked)."""
+    if job.code_sha256 is None:
+        return None
+    return "shipped" if (job.job_dir / CODE_DIR).is_dir() else "installed"
 
 
 def _int(value: Any, default: int) -> int:

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from loopline.common.job_env import JobUser
 from loopline.common.job_layout import (
     CHECKPOINTS_DIR,
     CODE_DIR,
@@ -67,9 +68,12 @@ def write_config(job_dir: Path, config: JobConfig) -> None:
 
 
 def write_entrypoint(job_dir: Path, argv: list[str], *, user_code: bool,
-                     env: dict[str, str] | None = None) -> None:
+                     env: dict[str, str] | None = None, run_as: JobUser | None = None) -> None:
     """The script the launcher runs; ``argv`` is the full training command (srun included), run
-    with ``env`` exported."""
+    with ``env`` exported (the trainer's choice, e.g. a session worker's own NATS credential, on top
+    of the launcher's allowlist of the trainer's environment). ``run_as``:
+    the program in ``argv`` already drops to that user, whose HOME becomes the job directory (its
+    own, e.g. /nonexistent, would fail every cache a library writes)."""
     lines = [
         "#!/usr/bin/env bash",
         "# Written by the Loopline trainer; run by sbatch or the local launcher.",
@@ -78,6 +82,8 @@ def write_entrypoint(job_dir: Path, argv: list[str], *, user_code: bool,
         f"export LOOPLINE_JOB_DIR={shlex.quote(str(job_dir))}",
     ]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted((env or {}).items())]
+    if run_as is not None:
+        lines.append(f"export HOME={shlex.quote(str(job_dir))} USER={run_as.name} LOGNAME={run_as.name}")
     if user_code:
         # The job's own ml/ shadows the installed loopline.ml (ScalarLM's "edit the loop locally").
         code = shlex.quote(str(job_dir / CODE_DIR))
@@ -91,6 +97,16 @@ def write_entrypoint(job_dir: Path, argv: list[str], *, user_code: bool,
     path = job_dir / ENTRYPOINT_FILE
     _write_atomic(path, "\n".join(lines) + "\n")
     path.chmod(0o755)
+
+
+def give_to(job_dir: Path, user: JobUser) -> None:
+    """Make the job directory the job user's, so its program can write status, events and
+    checkpoints there; the trainer (root) reads and appends to it still."""
+    os.chown(job_dir, user.uid, user.gid)
+    # Invariant: every entry above ``root`` in the walk is already the user's.
+    for root, dirs, files in os.walk(job_dir):
+        for name in (*dirs, *files):
+            os.chown(os.path.join(root, name), user.uid, user.gid, follow_symlinks=False)
 
 
 def extract_code(tar_path: Path, job_dir: Path, max_bytes: int) -> None:

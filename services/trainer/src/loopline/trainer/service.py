@@ -48,7 +48,8 @@ async def run(rt: Runtime, settings: TrainerSettings) -> None:
     nc, js = await rt.connect()
     launcher, launchers = make_launchers(settings.launcher, settings.jobs_dir.resolve(),
                                          partition=settings.slurm_partition,
-                                         extra_args=settings.slurm_extra_args)
+                                         extra_args=settings.slurm_extra_args,
+                                         job_env_allow=settings.job_env_allow)
     registry = Registry(db)
     control = JobControl(settings, registry, launcher, launchers, js, EventPublisher(js, registry))
     # Tinker session workers: started through the same launcher as jobs, followed like them.

@@ -91,15 +91,17 @@ def slurm_available() -> bool:
 
 
 def make_launchers(choice: str, jobs_dir: Path, *, partition: str | None = None,
-                   extra_args: str = "") -> tuple[Launcher, dict[str, Launcher]]:
+                   extra_args: str = "", job_env_allow: str = "") -> tuple[Launcher, dict[str, Launcher]]:
     """The launcher new runs go to, and every launcher by name (a job launched by another one
-    before a restart is still followed by its own). ``auto`` is Slurm where a cluster answers."""
+    before a restart is still followed by its own). ``auto`` is Slurm where a cluster answers.
+    ``job_env_allow`` extends the allowlist of variables a job sees (loopline.common.job_env)."""
     from loopline.trainer.launchers.local import LocalLauncher
     from loopline.trainer.launchers.slurm import SlurmLauncher
 
-    local = LocalLauncher(jobs_dir / ".local-runs")
+    local = LocalLauncher(jobs_dir / ".local-runs", job_env_allow)
     launchers: dict[str, Launcher] = {"local": local}
     if choice == "slurm" or (choice == "auto" and slurm_available()):
-        launchers["slurm"] = SlurmLauncher(partition=partition, extra_args=extra_args)
+        launchers["slurm"] = SlurmLauncher(partition=partition, extra_args=extra_args,
+                                            job_env_allow=job_env_allow)
         return launchers["slurm"], launchers
     return local, launchers

@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+from loopline.common.job_env import job_environment
 from loopline.common.job_layout import ENTRYPOINT_FILE
 from loopline.trainer import jobdir
 from loopline.trainer.launchers import LauncherError, LaunchSpec, LaunchState
@@ -50,8 +51,9 @@ def _proc_start(pid: int) -> str | None:
 class LocalLauncher:
     name = "local"
 
-    def __init__(self, runs_dir: Path):
+    def __init__(self, runs_dir: Path, job_env_allow: str = ""):
         self.runs_dir = Path(runs_dir)
+        self.job_env_allow = job_env_allow
         self._children: dict[str, subprocess.Popen] = {}
         self._lock = threading.Lock()
 
@@ -92,8 +94,9 @@ class LocalLauncher:
             run_id = f"L{time.time_ns() // 1000}"
             time.sleep(1e-6)  # the next id differs even on a coarse clock
         log_path = spec.job_dir / jobdir.log_name(self.name, run_id)
-        env = {**os.environ, "EXIT_FILE": str(self.runs_dir / f"{run_id}.exit"),
-               "LOOPLINE_RUN_ID": run_id}
+        # The allowlist of the trainer's environment, never all of it (its secrets stay here).
+        env = {**job_environment(os.environ, self.job_env_allow),
+               "EXIT_FILE": str(self.runs_dir / f"{run_id}.exit"), "LOOPLINE_RUN_ID": run_id}
         try:
             with open(log_path, "ab", buffering=0) as log:
                 child = subprocess.Popen(

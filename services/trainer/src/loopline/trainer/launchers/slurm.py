@@ -8,10 +8,12 @@ A job neither knows is GONE: it ended long ago, and the job directory says how.
 from __future__ import annotations
 
 import math
+import os
 import re
 import shlex
 import subprocess
 
+from loopline.common.job_env import job_environment
 from loopline.common.job_layout import ENTRYPOINT_FILE
 from loopline.trainer import jobdir
 from loopline.trainer.launchers import LauncherError, LaunchSpec, LaunchState
@@ -73,14 +75,16 @@ def gpus_in_gres(gres: str) -> int:
 class SlurmLauncher:
     name = "slurm"
 
-    def __init__(self, partition: str | None = None, extra_args: str = ""):
+    def __init__(self, partition: str | None = None, extra_args: str = "", job_env_allow: str = ""):
         self.partition = partition
         self.extra_args = shlex.split(extra_args)
+        self.job_env_allow = job_env_allow
         self._gpus: int | None = None
 
-    def _run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    def _run(self, *argv: str, check: bool = True,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         try:
-            out = subprocess.run(argv, capture_output=True, text=True,
+            out = subprocess.run(argv, capture_output=True, text=True, env=env,
                                  timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise LauncherError(f"{argv[0]} failed: {exc}") from exc
@@ -91,12 +95,19 @@ class SlurmLauncher:
     def rank_command(self, ranks: int, argv: list[str]) -> list[str]:
         if ranks <= 1:
             return argv
-        # One task per rank inside the allocation; one failing rank ends the others.
-        return ["srun", f"--ntasks={ranks}", "--kill-on-bad-exit=1", *argv]
+        # One task per rank inside the allocation; one failing rank ends the others. --export=ALL:
+        # the steps get the entrypoint's environment (already the allowlist, plus LOOPLINE_JOB_DIR
+        # and MASTER_*), not only the names sbatch's --export gave (srun reads SLURM_EXPORT_ENV).
+        return ["srun", f"--ntasks={ranks}", "--kill-on-bad-exit=1", "--export=ALL", *argv]
 
     def submit(self, spec: LaunchSpec) -> str:
+        # sbatch itself runs with the job's environment only (the allowlist, URLs without
+        # credentials), and exports exactly those names: the job never sees the trainer's secrets,
+        # and sbatch never had them to pass on. SLURM_* variables always go (SLURM_CONF among them).
+        env = job_environment(os.environ, self.job_env_allow)
         argv = [
             "sbatch", "--parsable",
+            f"--export={','.join(sorted(env))}",
             f"--job-name={spec.job_hash}",
             f"--chdir={spec.job_dir}",
             # One output file per allocation; the trainer's logs endpoint stitches them in order.
@@ -115,7 +126,7 @@ class SlurmLauncher:
         if self._cluster_gpus() > 0:
             argv.append("--gpus-per-task=1")
         argv += [*self.extra_args, str(spec.job_dir / ENTRYPOINT_FILE)]
-        out = self._run(*argv)
+        out = self._run(*argv, env=env)
         # --parsable prints "id" or "id;cluster".
         run_id = out.stdout.strip().split(";", 1)[0]
         if not run_id.isdigit():
