@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 
 from loopline.common.launcher import free_port
+from loopline.common.up import stack_defaults
 from support.stacks import MODELS_DIR, tiny_model
 
 
@@ -49,6 +50,11 @@ def test_up_starts_everything_and_ctrl_c_leaves_nothing_behind(tmp_path):
         assert [m["id"] for m in models["data"]] == [env["LOOPLINE_MODEL"]]
         # nats-server, queue, inference and gateway, each its own process.
         assert len(processes_with_state_dir(state.resolve()) - {up.pid}) >= 4
+        # One user on 127.0.0.1: the ml/ code they ship runs (compose and Helm keep it off).
+        trainer = [pid for pid in processes_with_state_dir(state.resolve())
+                   if b"loopline.trainer" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        environ = Path(f"/proc/{trainer[0]}/environ").read_bytes().split(b"\0")
+        assert b"LOOPLINE_ALLOW_USER_CODE=true" in environ
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
     finally:
@@ -58,3 +64,9 @@ def test_up_starts_everything_and_ctrl_c_leaves_nothing_behind(tmp_path):
     while processes_with_state_dir(state.resolve()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not processes_with_state_dir(state.resolve())
+
+
+def test_up_allows_user_code_only_on_loopback_and_unless_set():
+    assert stack_defaults("127.0.0.1", {}) == {"LOOPLINE_ALLOW_USER_CODE": "true"}
+    assert stack_defaults("127.0.0.1", {"LOOPLINE_ALLOW_USER_CODE": "false"}) == {}
+    assert stack_defaults("0.0.0.0", {}) == {}  # others can reach it: off unless asked for

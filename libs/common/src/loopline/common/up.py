@@ -6,16 +6,32 @@ the URL, and on Ctrl-C (or SIGTERM) stops everything it started. Training jobs g
 controller answers, else to a local process per job; their directories are under
 ``<state dir>/jobs``, where the checkpoint-watcher picks up their checkpoints. ``LOOPLINE_MODEL`` may
 name several models, each a deployment of its own (stack.py says how to set one deployment's flags).
+On 127.0.0.1 a job's own ``ml/`` code is allowed unless ``LOOPLINE_ALLOW_USER_CODE`` says otherwise.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 
 from loopline.common.settings import StackSettings
 from loopline.common.stack import LocalStack
+
+# `make up` on 127.0.0.1 is one user on their own machine: the ml/ code the scalarlm client ships
+# from their folder is theirs to run (ScalarLM's "edit the loop locally"). Compose and Helm, which
+# serve many users, leave it off.
+LOCAL_DEFAULTS = {"LOOPLINE_ALLOW_USER_CODE": "true"}
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def stack_defaults(host: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The settings ``make up`` gives its services where the user set none: only on loopback."""
+    if host not in LOOPBACK:
+        return {}
+    return {name: value for name, value in LOCAL_DEFAULTS.items() if name not in environ}
 
 
 def main() -> int:
@@ -23,7 +39,8 @@ def main() -> int:
     try:
         stack = LocalStack(settings.state_dir, settings.model, host=settings.host, port=settings.port,
                            nats_port=settings.nats_port, nats_monitor_port=settings.nats_monitor_port,
-                           replicas=settings.inference_replicas)
+                           replicas=settings.inference_replicas,
+                           env=stack_defaults(settings.host, os.environ))
     except ValueError as exc:  # the models and their per-deployment settings do not fit together
         print(f"loopline up: {exc}", file=sys.stderr)
         return 2
