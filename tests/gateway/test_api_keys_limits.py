@@ -90,7 +90,7 @@ def test_over_its_queue_share_a_key_gets_429(limited):
     finally:
         close.set()
         holder.join(10)
-    # The stream's end is noticed when the gateway next writes to it (a keep-alive): wait for it.
+    # The gateway learns of the client's going on its own time (the disconnect, or its next write).
     deadline = time.monotonic() + 30
     # Invariant: every answer so far was the 429 of a share still held.
     while (status := httpx.get(probe, headers=narrow).status_code) == 429:
