@@ -49,6 +49,25 @@ def test_rejections_explain_until_a_later_checkpoint_loads():
     assert "a" not in registry.rejected  # older than what is served: nothing to explain
 
 
+def test_a_retired_job_is_unlisted_explained_as_deleted_and_not_revived_by_a_late_load():
+    registry = AdapterRegistry(js=None)
+    written = 100.0
+    registry.apply(loaded("a", 10, written + 1))
+    registry.apply(AdapterEvent(job_hash="a", kind="retired", time=written + 5, reason="deleted"))
+    assert not registry.deployed("a") and registry.latest({"tiny"}) is None
+    assert "deleted" in registry.rejected["a"]
+    # A replica that loaded a checkpoint written before the delete, heard after it.
+    late = loaded("a", 20, written + 9)
+    late.checkpoint_created_at = written + 2
+    registry.apply(late)
+    assert not registry.deployed("a")
+    # The same hash submitted again: its checkpoints are written after the retirement.
+    again = loaded("a", 10, written + 30)
+    again.checkpoint_created_at = written + 20
+    registry.apply(again)
+    assert registry.deployed("a") and "a" not in registry.rejected
+
+
 def test_events_published_after_a_nats_restart_still_reach_the_registry(tmp_path):
     """The registry follows EVENTS through an ephemeral ordered consumer, which a restarted
     nats-server no longer has; a job loaded after the restart must still be listed and be

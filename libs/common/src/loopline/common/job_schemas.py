@@ -148,7 +148,7 @@ class ClusterInfo(BaseModel):
 class CheckpointAnnounce(BaseModel):
     """One message on ``checkpoints.<base>.<hash>`` (stream CHECKPOINTS, the last one per subject
     kept): a job's newest checkpoint, stored in the ``adapters`` object store. Published by the
-    checkpoint-watcher with Nats-Msg-Id ``f"{job_hash}:{step}:{sha256[:16]}"``.
+    checkpoint-watcher with Nats-Msg-Id ``f"{job_hash}:{step}:{sha256[:16]}:{created_ms}"``.
 
     The object is an uncompressed tar of ``adapter_config.json`` and ``adapter_model.safetensors``
     (docs/adapter-format.md), members sorted and timestamps zeroed, so the same checkpoint always
@@ -175,6 +175,8 @@ class AdapterEvent(BaseModel):
     safetensors, bad config, too large); it is never announced or served. An inference replica
     sends it too (``replica`` set) for an announced checkpoint its engine cannot serve (a full
     fine-tune on vLLM, a Tokenformer without the plugin). ``loaded``: a replica serves this step.
+    ``retired``: the job was deleted (adapter_retire.py); every checkpoint of it written before
+    ``time`` is withdrawn: replicas unload it once unpinned, gateways stop listing and routing it.
     """
 
     job_hash: str
@@ -191,3 +193,6 @@ class AdapterEvent(BaseModel):
     adapter_type: str | None = None
     latency_s: float | None = None
     load_s: float | None = None
+    # ``loaded``: when the checkpoint was written (its announce's created_at). A load of a checkpoint
+    # written before the job's retirement is of the deleted job, however late it is heard.
+    checkpoint_created_at: float | None = None

@@ -19,7 +19,7 @@ from nats.js.object_store import ObjectStore
 
 from loopline.checkpoint_watcher.pack import Packed
 from loopline.checkpoint_watcher.scan import StepDir
-from loopline.common import bus, subjects
+from loopline.common import adapter_retire, bus, subjects
 from loopline.common.job_schemas import AdapterEvent, CheckpointAnnounce
 
 log = logging.getLogger(__name__)
@@ -28,8 +28,7 @@ log = logging.getLogger(__name__)
 PUBLISH_DEADLINE_S = 10.0
 
 
-def object_name(job_hash: str, step: int) -> str:
-    return f"{job_hash}/{step}"
+object_name = adapter_retire.adapter_object_name
 
 
 async def store_object(obs: ObjectStore, name: str, packed: Packed) -> None:
@@ -59,9 +58,16 @@ async def announce(js: JetStreamContext, obs: ObjectStore, job_hash: str, base_m
         base_model=base_model, object_name=name, adapter_config=packed.config,
     )
     await bus.publish_durable(js, subject, message.model_dump_json().encode(),
-                              msg_id=f"{job_hash}:{step_dir.step}:{packed.sha256[:16]}",
+                              msg_id=announce_msg_id(job_hash, step_dir, packed),
                               deadline_s=PUBLISH_DEADLINE_S)
     return message
+
+
+def announce_msg_id(job_hash: str, step_dir: StepDir, packed: Packed) -> str:
+    """The same folder gives the same id (a retried publish is dropped as a copy); the folder's time
+    tells a job deleted and submitted again, whose checkpoint may have the very same bytes, from
+    the first (its announcement would be dropped as a copy within the dedupe window)."""
+    return f"{job_hash}:{step_dir.step}:{packed.sha256[:16]}:{int(step_dir.created_at * 1000)}"
 
 
 async def reject(js: JetStreamContext, job_hash: str, step_dir: StepDir, reason: str) -> None:

@@ -21,6 +21,7 @@ from prometheus_client import Counter, Histogram
 from loopline.checkpoint_watcher import pack, publish, scan
 from loopline.checkpoint_watcher.cursor import Cursors, JobCursor
 from loopline.checkpoint_watcher.validate import Rejected
+from loopline.common import adapter_retire
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,8 @@ class CheckpointWatcher:
         self.js = js
         self.obs = obs
         self.cursors = cursors
-        self.counts = {"announced": 0, "rejected": 0, "skipped": 0}
+        # withdrawn: announced just as the job was deleted, then retired again (_withdraw_if_deleted).
+        self.counts = {"announced": 0, "rejected": 0, "skipped": 0, "withdrawn": 0}
         self.last_announced: dict | None = None
         self._no_config: set[str] = set()  # jobs already warned about
 
@@ -90,6 +92,7 @@ class CheckpointWatcher:
                                                      step_dir, packed)
                     if message is not None:
                         self._announced(message)
+                        await self._withdraw_if_deleted(job_hash, job_dir)
             finally:
                 packed.data.close()
             cursor.step, cursor.sha256 = step_dir.step, packed.sha256
@@ -101,6 +104,17 @@ class CheckpointWatcher:
         steps = {s.step for s in on_disk}
         cursor.seen = {step: fp for step, fp in cursor.seen.items() if step in steps}
         await self.cursors.save(job_hash, cursor)
+
+    async def _withdraw_if_deleted(self, job_hash: str, job_dir: Path) -> None:
+        """The job was deleted while its checkpoint was read and announced: the delete's purge may
+        have come before the announcement, so retire the job again (adapter_retire.py), which
+        withdraws this announcement and its object too. The folder goes before the purge, so an
+        announcement made after the purge always finds it gone here."""
+        if await asyncio.to_thread(job_dir.is_dir):
+            return
+        log.warning("job %s was deleted while its checkpoint was announced; withdrawing it", job_hash)
+        await adapter_retire.retire(self.js, job_hash)
+        self.counts["withdrawn"] += 1
 
     def _skip(self, cursor: JobCursor, step_dir: scan.StepDir) -> None:
         cursor.seen[step_dir.step] = step_dir.fingerprint

@@ -5,6 +5,10 @@ Inference replicas announce each adapter version they load (``loaded``) or canno
 start of the EVENTS stream, so a gateway started later knows every job loaded before it. A job is
 *deployed* once any replica has loaded a checkpoint of it; a replica that has not (it started later,
 or its LRU bound evicted the job) loads it at the job's next request, so the flag stays true.
+
+A deleted job is ``retired`` (adapter_retire.py): it leaves ``served`` (so /v1/models and
+``latest``), a request naming it is answered 404 "deleted" (through ``rejected``), and a ``loaded``
+event of a checkpoint written before the retirement, heard late, does not bring it back.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class AdapterRegistry:
         self.served: dict[str, ServedAdapter] = {}
         # job -> why its newest checkpoint cannot be served (cleared when a later one loads).
         self.rejected: dict[str, str] = {}
+        # job -> when it was retired (deleted): loads of checkpoints written before then are ignored.
+        self.retired: dict[str, float] = {}
         self._sub: JetStreamContext.PushSubscription | None = None
 
     async def start(self) -> None:
@@ -94,6 +100,11 @@ class AdapterRegistry:
             log.warning("ignoring a malformed adapter event on %s", msg.subject)
 
     def apply(self, event: AdapterEvent) -> None:
+        if event.kind == "retired":
+            self.served.pop(event.job_hash, None)
+            self.retired[event.job_hash] = max(event.time, self.retired.get(event.job_hash, event.time))
+            self.rejected[event.job_hash] = "the job was deleted"
+            return
         if event.kind == "rejected":
             served = self.served.get(event.job_hash)
             if served is None or (event.step or 0) >= served.step:
@@ -101,6 +112,11 @@ class AdapterRegistry:
             return
         if event.kind != "loaded" or event.base_model is None or event.step is None:
             return
+        written = event.checkpoint_created_at
+        if written is None and event.latency_s is not None:  # a replica older than that field
+            written = event.time - event.latency_s
+        if written is not None and written <= self.retired.get(event.job_hash, float("-inf")):
+            return  # a checkpoint of the deleted job, heard after its retirement
         served = self.served.get(event.job_hash)
         if served is None:
             served = self.served[event.job_hash] = ServedAdapter(

@@ -13,6 +13,10 @@ Requests pin the version current when they start (``acquire``) and let go when d
 a version that is no longer current is unloaded when its last request lets go. At most
 ``max_jobs`` jobs keep a version loaded: the least recently used one is unloaded (it stays known,
 and its next request loads it again).
+
+A deleted job is retired (``events.adapters.<hash>.retired``, adapter_retire.py): the replica
+forgets it, unloads its version once no request pins it, and never loads a checkpoint of it written
+before the retirement, however late its announce arrives.
 """
 
 from __future__ import annotations
@@ -92,7 +96,10 @@ class AdapterManager:
         self._queued: set[str] = set()
         self._loads = 0
         self._tasks: set[asyncio.Task] = set()
+        # job -> when it was retired (deleted): checkpoints written before then are not served.
+        self.retired: dict[str, float] = {}
         self._sub: JetStreamContext.PushSubscription | None = None
+        self._retire_sub: JetStreamContext.PushSubscription | None = None
         self._obs: ObjectStore | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -101,14 +108,20 @@ class AdapterManager:
         await asyncio.to_thread(shutil.rmtree, self.root, True)
         self.root.mkdir(parents=True, exist_ok=True)
         self._obs = await self.js.object_store(subjects.ADAPTERS_BUCKET)
+        # Retirements first: one published while the checkpoints catch up is not missed. Only new
+        # ones: a job retired earlier has no announce left to catch up with.
+        self._retire_sub = await self.js.subscribe(
+            subjects.ADAPTER_RETIREMENTS, stream=subjects.EVENTS_STREAM, cb=self._on_retired,
+            ordered_consumer=True, deliver_policy=DeliverPolicy.NEW)
         self._sub = await self.js.subscribe(
             subjects.checkpoints_of_base(self.base_model), stream=subjects.CHECKPOINTS_STREAM,
             cb=self._on_announce, ordered_consumer=True,
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
+        for sub in (self._sub, self._retire_sub):
+            if sub is not None:
+                await sub.unsubscribe()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.to_thread(shutil.rmtree, self.root, True)
@@ -149,6 +162,8 @@ class AdapterManager:
             return
         if not is_job_hash(announce.job_hash):
             log.error("ignoring a checkpoint announce for job %r", announce.job_hash)
+            return
+        if self._is_retired(announce):
             return
         self.announces[announce.job_hash] = announce
         # Catching up with more jobs than the LRU keeps: load only the newest max_jobs (the last
@@ -203,6 +218,8 @@ class AdapterManager:
         except Exception as exc:  # NATS restarting
             raise AdapterUnavailable(503, f"cannot look up the checkpoints of {job_hash}: {exc}") from exc
         announce = CheckpointAnnounce.model_validate_json(msg.data or b"")
+        if self._is_retired(announce):
+            raise AdapterUnavailable(404, f"job {job_hash} was deleted")
         self.announces.setdefault(job_hash, announce)
 
     # --- loading ----------------------------------------------------------------------------------
@@ -211,7 +228,9 @@ class AdapterManager:
         ``pin``, the version returned is pinned for a request."""
         lock = self._locks.setdefault(job_hash, asyncio.Lock())
         async with lock:
-            announce = self.announces[job_hash]
+            announce = self.announces.get(job_hash)
+            if announce is None:  # retired while it waited for the lock
+                raise AdapterUnavailable(404, f"job {job_hash} was deleted")
             current = self.current.get(job_hash)
             if current is not None and (current.step, current.sha256) == (announce.step, announce.sha256):
                 current.refs += pin
@@ -270,7 +289,8 @@ class AdapterManager:
         self._emit(AdapterEvent(
             job_hash=announce.job_hash, kind="loaded", step=announce.step, time=loaded,
             replica=self.replica, base_model=self.base_model, adapter_type=announce.adapter_type,
-            latency_s=loaded - announce.created_at, load_s=loaded - started))
+            latency_s=loaded - announce.created_at, load_s=loaded - started,
+            checkpoint_created_at=announce.created_at))
 
     def _reject(self, announce: CheckpointAnnounce, why: str) -> None:
         log.warning("cannot serve %s step %d: %s", announce.job_hash[:12], announce.step, why)
@@ -297,6 +317,31 @@ class AdapterManager:
             log.exception("unloading %s step %d failed", version.job_hash[:12], version.step)
         await asyncio.to_thread(shutil.rmtree, version.folder, True)
         log.info("unloaded %s step %d", version.job_hash[:12], version.step)
+
+    # --- retirement -------------------------------------------------------------------------------
+    def _is_retired(self, announce: CheckpointAnnounce) -> bool:
+        return announce.created_at <= self.retired.get(announce.job_hash, float("-inf"))
+
+    async def _on_retired(self, msg) -> None:
+        try:
+            event = AdapterEvent.model_validate_json(msg.data)
+        except ValueError:
+            log.error("ignoring a malformed retirement on %s", msg.subject)
+            return
+        self.retired[event.job_hash] = max(event.time, self.retired.get(event.job_hash, event.time))
+        self._spawn(self.retire(event.job_hash))
+
+    async def retire(self, job_hash: str) -> None:
+        """Forget a deleted job; its version goes now, or when its last request lets go (release).
+        Under the job's lock: a load in progress finishes first, then is unloaded here."""
+        async with self._locks.setdefault(job_hash, asyncio.Lock()):
+            self.announces.pop(job_hash, None)
+            self.rejected.pop(job_hash, None)
+            version = self.current.pop(job_hash, None)
+            if version is not None and version.refs == 0:
+                await self._unload(version)
+        log.info("job %s retired%s", job_hash[:12], "" if version is None else
+                 f"; step {version.step} {'unloaded' if version.refs == 0 else 'unloads when unpinned'}")
 
     # --- events -----------------------------------------------------------------------------------
     def _emit(self, event: AdapterEvent) -> None:
