@@ -150,7 +150,14 @@ async def ensure_object_store(js: JetStreamContext, bucket: str, ttl_s: float) -
         info.config.max_age = ttl_s
         if ttl_s and (info.config.duplicate_window or 0) > ttl_s:
             info.config.duplicate_window = ttl_s  # the server refuses a window past the max age
-        await js.update_stream(info.config)
+        try:
+            await js.update_stream(info.config)
+        except (APIError, TimeoutError, NatsTimeoutError, NoRespondersError) as exc:
+            # A credential that may create but not update streams (nats_permissions): the store
+            # keeps working with its old TTL; a service ending here would end every service.
+            log.error("could not set the %s object store's TTL to %g s (%s): it keeps %g s until "
+                      "a role allowed to update streams applies it", bucket, ttl_s, exc,
+                      info.config.max_age or 0)
 
 
 async def ensure_topology(js: JetStreamContext, *, max_work_msgs: int = 1_000_000,
