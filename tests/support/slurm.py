@@ -49,6 +49,7 @@ class SlurmCluster:
     root: Path
     conf: Path
     procs: list[subprocess.Popen] = field(default_factory=list)
+    daemons: dict[str, subprocess.Popen] = field(default_factory=dict)  # slurmctld, slurmd by name
 
     @property
     def env(self) -> dict[str, str]:
@@ -65,6 +66,26 @@ class SlurmCluster:
 
     def cancel_all(self) -> None:
         self.run("scancel", "--user", pwd.getpwuid(os.geteuid()).pw_name, check=False)
+
+    def kill_daemon(self, name: str) -> None:
+        """``kill -9`` the daemon ``name`` (slurmctld or slurmd) alone: not its process group, so what
+        it started (slurmd's slurmstepd, the jobs) lives on as it would after a daemon crash."""
+        proc = self.daemons[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    def start_daemon(self, name: str) -> None:
+        """Start ``name`` again on its saved state (slurmctld recovers its jobs from
+        StateSaveLocation, slurmd its running steps from its spool); returns once it answers."""
+        assert self.daemons[name].poll() is not None, f"{name} is still running"
+        proc = _spawn_daemon(self, name, recover=True)
+        if name == "slurmctld":
+            _wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, proc, name, 30,
+                  self.log_tail)
+        else:
+            _wait(lambda: self.node_state().rstrip("*") in ("idle", "mixed", "allocated"), proc, name, 60,
+                  self.log_tail)
 
     def log_tail(self, lines: int = 30) -> str:
         parts = []
@@ -139,6 +160,22 @@ def _start_munged(root: Path) -> tuple[subprocess.Popen, Path]:
     return proc, socket
 
 
+def _spawn_daemon(cluster: SlurmCluster, name: str, *, recover: bool) -> subprocess.Popen:
+    """Start slurmctld or slurmd in a session of its own, logging beside the others; it takes the
+    place of the one before in ``cluster.procs`` (so the cluster's stop stops it)."""
+    # -c: a clean start, no jobs from an earlier run (left out to recover after a crash);
+    # -i: ignore state it cannot recover.
+    argv = ([SLURMCTLD, "-D", "-i", *([] if recover else ["-c"])] if name == "slurmctld"
+            else [SLURMD, "-D", "-N", "localhost"])
+    with open(cluster.root / "log" / f"{name}.stdout", "ab") as log:
+        proc = subprocess.Popen(argv, env={**os.environ, **cluster.env}, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    old = cluster.daemons.get(name)
+    cluster.procs[:] = [p for p in cluster.procs if p is not old] + [proc]
+    cluster.daemons[name] = proc
+    return proc
+
+
 def _wait(ready, proc: subprocess.Popen, name: str, timeout_s: float, why=lambda: "") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -173,18 +210,12 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
     for sub in ("state", "spool", "run", "log"):
         (root / sub).mkdir()
     cluster = SlurmCluster(root=root, conf=root / "slurm.conf")
-    env = {**os.environ, "SLURM_CONF": str(cluster.conf)}
     try:
         munged, socket = _start_munged(root)
         cluster.procs.append(munged)
         _write_conf(root, socket)
-        # -c: a clean start, no jobs from an earlier run; -i: ignore state it cannot recover.
-        for name, argv in (("slurmctld", [SLURMCTLD, "-D", "-c", "-i"]),
-                           ("slurmd", [SLURMD, "-D", "-N", "localhost"])):
-            with open(root / "log" / f"{name}.stdout", "ab") as log:
-                proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
-            cluster.procs.append(proc)
+        for name in ("slurmctld", "slurmd"):
+            proc = _spawn_daemon(cluster, name, recover=False)
             if name == "slurmctld":
                 _wait(lambda: cluster.run("scontrol", "ping", check=False).returncode == 0,
                       proc, name, 30, cluster.log_tail)
