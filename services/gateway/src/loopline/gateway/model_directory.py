@@ -106,6 +106,14 @@ class ModelDirectory:
         for deployment in alive:
             self.seen_at[deployment] = now
 
+    async def refresh_listing(self) -> list[DeploymentInfo]:
+        """The bucket re-read, and the census taken again when it lists a deployment not seen alive
+        lately (one whose replica just started: the loop's census may be 2 s old)."""
+        await self.refresh()
+        if len(self.listed()) < len(self.served):
+            await self.take_census()
+        return self.listed()
+
     def listed(self) -> list[DeploymentInfo]:
         """The deployments some replica answered for lately: what /v1/models shows."""
         now = time.monotonic()
@@ -164,7 +172,7 @@ class ModelDirectory:
         if name not in self.served and not self.adapters.deployed(name):
             await self.refresh()
         if name in self.served:
-            return self._alive(Route(self.served[name], name))
+            return await self._alive(Route(self.served[name], name))
         listed = self.listed()
         if name == self.default_model and len(listed) == 1:
             return Route(listed[0], name)
@@ -173,14 +181,16 @@ class ModelDirectory:
         else:
             adapter = await self.adapters.find(name)
         if adapter is not None and adapter.base_model in self.served:
-            return self._alive(Route(self.served[adapter.base_model], adapter.job_hash, adapter.job_hash,
-                                     adapter.step))
+            base = self.served[adapter.base_model]
+            return await self._alive(Route(base, adapter.job_hash, adapter.job_hash, adapter.step))
         # vLLM's own type for an unknown model, so clients that match on it behave as with vllm serve.
         raise ApiError(404, await self._not_served(name, adapter), param="model", type="NotFoundError")
 
-    def _alive(self, route: Route) -> Route:
+    async def _alive(self, route: Route) -> Route:
         """``route``, unless no replica has served its deployment for the grace period: then a 503
         at once, rather than a request queued for nobody (what is queued already stays)."""
+        if self.unserved_for(route.info) > self.grace_s:
+            await self.take_census()  # the loop's census may be late (a busy gateway): ask now
         unserved_s = self.unserved_for(route.info)
         if unserved_s > self.grace_s:
             raise ApiError(503, (

@@ -44,8 +44,7 @@ async def list_models(request: Request):
     lists LoRA modules: ``parent`` is the base model, and the id is what to put in ``model``: the
     job hash)."""
     gateway = gateway_of(request)
-    await gateway.models.refresh()
-    served = {info.model: info for info in gateway.models.listed()}
+    served = {info.model: info for info in await gateway.models.refresh_listing()}
     data: list[dict[str, Any]] = [
         {"id": info.model, "object": "model", "created": int(info.created_at), "owned_by": "loopline",
          "root": info.model, "parent": None, "max_model_len": info.max_model_len, "engine": info.engine,
