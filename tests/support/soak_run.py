@@ -168,13 +168,14 @@ async def soak(stack: LocalStack, config: SoakConfig, *, train_model: str | None
 
 
 def trend(samples: list[dict]) -> str:
-    """One line per sample: total RSS, total fds, total consumers, stream bytes."""
-    lines = [f"{'sample':<10}{'t s':>8}{'RSS MB':>9}{'fds':>6}{'consumers':>11}{'stream MB':>11}"]
+    """One line per sample: total RSS, total fds, total consumers, stream bytes, jobs running."""
+    lines = [f"{'sample':<10}{'t s':>8}{'RSS MB':>9}{'fds':>6}{'consumers':>11}{'stream MB':>11}"
+             f"{'jobs':>6}"]
     for s in samples:
         procs, streams = s["processes"].values(), s["streams"].values()
         lines.append(f"{s['label']:<10}{s['t_s']:>8.0f}{sum(p['rss_mb'] for p in procs):>9.0f}"
                      f"{sum(p['fds'] for p in procs):>6}{sum(x['consumers'] for x in streams):>11}"
-                     f"{sum(x['bytes'] for x in streams) / 2**20:>11.2f}")
+                     f"{sum(x['bytes'] for x in streams) / 2**20:>11.2f}{s['local_runs']:>6}")
     return "\n".join(lines)
 
 
