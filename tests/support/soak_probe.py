@@ -17,6 +17,7 @@ from typing import Any
 
 import nats
 
+from loopline.common import subjects
 from loopline.common.stack import LocalStack
 from support.soak_load import quiet
 
@@ -181,7 +182,7 @@ def breaches(start: dict, end: dict, tallies: dict[str, dict], limits: Limits) -
         if last["consumers"] > first["consumers"] + limits.consumer_slack:
             found.append(f"stream {stream}: consumers {first['consumers']} -> {last['consumers']} "
                          f"(> +{limits.consumer_slack})")
-        if stream == "WORK" and last["messages"] > first["messages"] + limits.work_slack:
+        if stream == subjects.WORK_STREAM and last["messages"] > first["messages"] + limits.work_slack:
             found.append(f"stream WORK: {last['messages']} messages left after the drain")
     return found
 
