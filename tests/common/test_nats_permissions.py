@@ -129,6 +129,11 @@ async def test_every_role_creates_the_topology_and_does_its_work(server):
         await bus.publish_durable(c[roles.TRAINER].js, subjects.job_event("h1", "queued"), b"{}",
                                   msg_id="h1.q")
         await c[roles.GATEWAY].js.get_last_msg(subjects.EVENTS_STREAM, subjects.job_event("h1", "queued"))
+        # The gateway stores a dataset the trainer reads; the watcher an adapter a replica reads.
+        for writer, reader, bucket in ((roles.GATEWAY, roles.TRAINER, subjects.DATASETS_BUCKET),
+                                       (roles.CHECKPOINT_WATCHER, roles.INFERENCE, subjects.ADAPTERS_BUCKET)):
+            await (await c[writer].js.object_store(bucket)).put("h1/1", b"bytes")
+            assert (await (await c[reader].js.object_store(bucket)).get("h1/1")).data == b"bytes"
         # The queue clears WORK; the trainer purges a deleted job's events.
         await c[roles.QUEUE].js.purge_stream(subjects.WORK_STREAM)
         await c[roles.TRAINER].js.purge_stream(subjects.EVENTS_STREAM, subject=subjects.job_events("h1"))
@@ -190,16 +195,21 @@ async def test_what_a_role_must_not_do_is_refused(server):
         assert await replica.violations(subjects.SVC_TRAINER_SUBMIT)
 
 
-def test_every_role_has_permissions_and_no_stream_purge_but_its_own():
+def test_only_the_roles_that_clear_or_delete_purge_a_stream():
+    """WORK is purged by the queue alone (clear_queue), EVENTS and CHECKPOINTS by the trainer and the
+    watcher (a deleted job retired), RESULTS by nobody; the gateway, replicas and session workers
+    purge only their object stores' replaced chunks. No role deletes a stream."""
     purge = f"{roles.JS_API}.STREAM.PURGE."
-    purges = {role: {s for s in roles.permissions(role).publish if s.startswith(purge)}
+    purged = {role: {s[len(purge):] for s in roles.permissions(role).publish if s.startswith(purge)}
               for role in roles.ROLES}
-    assert purges[roles.QUEUE] == {f"{roles.JS_API}.STREAM.PURGE.{subjects.WORK_STREAM}"}
-    assert f"{roles.JS_API}.STREAM.PURGE.{subjects.EVENTS_STREAM}" in purges[roles.TRAINER]
-    for role, allowed in purges.items():
-        # Besides those two, only an object store's own chunks (nats-py's put replaces by purging).
-        assert all(s.rpartition(".")[2].startswith("OBJ_") for s in allowed - purges[roles.QUEUE]
-                   - {f"{roles.JS_API}.STREAM.PURGE.{subjects.EVENTS_STREAM}"}), role
+    assert {role for role, streams in purged.items() if subjects.WORK_STREAM in streams} == {roles.QUEUE}
+    assert not any(subjects.RESULTS_STREAM in streams for streams in purged.values())
+    for stream in (subjects.EVENTS_STREAM, subjects.CHECKPOINTS_STREAM):
+        assert {role for role, streams in purged.items() if stream in streams} == {
+            roles.TRAINER, roles.CHECKPOINT_WATCHER}
+    for role in (roles.GATEWAY, roles.INFERENCE, roles.TINKER_WORKER):
+        assert all(stream.startswith("OBJ_") for stream in purged[role]), role
+    for role in roles.ROLES:
         assert not any(".STREAM.DELETE." in s for s in roles.permissions(role).publish), role
     with pytest.raises(ValueError, match="no NATS role"):
         roles.permissions("admin")

@@ -91,7 +91,9 @@ def kv_writer(bucket: str) -> Permissions:
 
 
 def object_reader(bucket: str) -> Permissions:
-    return stream_reader(_object_stream(bucket))
+    """Read objects. nats-py's get subscribes to the chunks without naming the stream, so it first
+    asks which stream holds them (``STREAM.NAMES``: every stream's name, nothing of its content)."""
+    return stream_reader(_object_stream(bucket)).merge(publisher(f"{JS_API}.STREAM.NAMES"))
 
 
 def object_writer(bucket: str) -> Permissions:
@@ -99,6 +101,15 @@ def object_writer(bucket: str) -> Permissions:
     purges them too: this purge is of this bucket's stream only."""
     return object_reader(bucket).merge(publisher(
         f"$O.{bucket}.>", f"{JS_API}.STREAM.PURGE.{_object_stream(bucket)}"))
+
+
+def adapter_retirer() -> Permissions:
+    """adapter_retire.retire (a deleted job, by the trainer; by the watcher when a delete raced its
+    announcement): purge the job's announcements, adapter objects and adapter events, announce it
+    retired. Purges are per stream: CHECKPOINTS and EVENTS whole, not one job's subjects."""
+    purged = (subjects.CHECKPOINTS_STREAM, subjects.EVENTS_STREAM, _object_stream(subjects.ADAPTERS_BUCKET))
+    return object_reader(subjects.ADAPTERS_BUCKET).merge(publisher(
+        *(f"{JS_API}.STREAM.PURGE.{stream}" for stream in purged), subjects.adapter_event("*", "retired")))
 
 
 def service_responder(*endpoint_subjects: str) -> Permissions:
@@ -176,6 +187,10 @@ def gateway() -> Permissions:
             .merge(kv_reader(subjects.MODELS_BUCKET))
             .merge(kv_writer(subjects.BATCHES_BUCKET))
             .merge(object_writer(subjects.DATASETS_BUCKET))
+            # Chunked uploads in progress: the gateway's own bucket, made and kept at its TTL by it.
+            .merge(object_writer(subjects.UPLOADS_BUCKET))
+            .merge(publisher(*(f"{JS_API}.STREAM.{verb}.{_object_stream(subjects.UPLOADS_BUCKET)}"
+                               for verb in ("CREATE", "UPDATE"))))
             .merge(_all_tinker_records(write=True))
             # /v1/health pings every service; the ScalarLM and train routes call queue and trainer.
             .merge(service_caller("$SRV.PING.>", "$SRV.INFO.>", *_service_subjects(""))))
@@ -205,6 +220,7 @@ def inference() -> Permissions:
             .merge(publisher(subjects.RESULTS_ALL, subjects.gateway_answers("*"), subjects.token_stream("*"),
                              subjects.adapter_event("*", "loaded")))
             .merge(listener(subjects.CANCELS))
+            .merge(stream_reader(subjects.EVENTS_STREAM))  # adapter retirements, to unload them
             .merge(kv_writer(subjects.MODELS_BUCKET))
             .merge(stream_reader(subjects.CHECKPOINTS_STREAM))
             .merge(object_reader(subjects.ADAPTERS_BUCKET)))
@@ -220,6 +236,7 @@ def trainer() -> Permissions:
             .merge(stream_reader(subjects.EVENTS_STREAM))
             .merge(stream_reader(subjects.TINKER_CALLS_STREAM))
             .merge(object_reader(subjects.DATASETS_BUCKET))
+            .merge(adapter_retirer())
             .merge(_all_tinker_records(write=True)))
 
 
@@ -231,6 +248,7 @@ def checkpoint_watcher() -> Permissions:
             .merge(stream_reader(subjects.CHECKPOINTS_STREAM))
             .merge(object_writer(subjects.ADAPTERS_BUCKET))
             .merge(kv_writer(subjects.CHECKPOINT_CURSOR_BUCKET))
+            .merge(adapter_retirer())
             .merge(publisher(f"{JS_API}.STREAM.CREATE.{_kv_stream(subjects.CHECKPOINT_CURSOR_BUCKET)}")))
 
 
