@@ -1,10 +1,10 @@
 """Chaos under Slurm (issue 16, item 1): a stack whose trainer submits to the session's private Slurm
 cluster (munged, slurmctld, slurmd: tests/support/slurm.py), a light OpenAI load running, a training
 job on the tiny model, and one process killed with SIGKILL at a random moment: the job's training
-program, slurmctld, or slurmd, the daemon then started again on its saved state. What must hold: the
-job is neither lost nor run twice at once, it completes from its checkpoints (at most one step
-lost), its events are each published once, the trainer's view of the cluster recovers, and every
-OpenAI request is answered once.
+program, slurmctld, or slurmd (back soon, or back after its node was declared down), the daemon
+then started again on its saved state. What must hold: the job is neither lost nor run twice at
+once, it completes from its checkpoints (at most one step lost), its events are each published
+once, the trainer's view of the cluster recovers, and every OpenAI request is answered once.
 
 Skipped without Slurm, failed with LOOPLINE_REQUIRE_SLURM=1 (CI). ``LOOPLINE_CHAOS_SEED`` replays
 a run's random moments (test_chaos.py says more).
@@ -55,20 +55,27 @@ async def test_training_process_killed_under_slurm(slurm_stack, tiny, rng):
     await kill_a_training_process(slurm_stack, tiny, rng, launches=2)
 
 
-async def kill_a_daemon(stack, slurm, tiny, rng, daemon: str, max_steps: int = 16) -> list[list[int]]:
-    """A job runs; ``daemon`` is killed at a random moment after a random step, left dead a random
-    while, and started again; the job's steps by run once it completed."""
+async def kill_a_daemon(stack, slurm, tiny, rng, daemon: str, max_steps: int = 16, kill_by_step: int = 8,
+                       until_node_down: bool = False) -> list[list[int]]:
+    """A job runs; ``daemon`` is killed at a random moment after a random step up to
+    ``kill_by_step``, left dead a random while (``until_node_down``: then the node is declared down),
+    and started again; the job's steps by run once it completed."""
     stop = asyncio.Event()
     load = asyncio.create_task(openai_load(stack.url, stack.default_model, stop, max_tokens=16))
     job_hash = await train(stack, tiny, f"{daemon} {rng.random()}", max_steps)
     job_dir = stack.jobs_dir / job_hash
-    kill_after = rng.randint(1, max_steps // 2)
+    kill_after = rng.randint(1, kill_by_step)
     async with RunWatch(job_dir) as runs_at_once:
         await wait_for(lambda: kill_after <= max(progress_steps_on_disk(job_dir), default=0), 180,
                        f"step {kill_after}")
         await asyncio.sleep(rng.uniform(0.0, 0.5))
         await asyncio.to_thread(slurm.kill_daemon, daemon)
         await asyncio.sleep(rng.uniform(1.0, 5.0))  # the trainer's squeue fails meanwhile
+        if until_node_down:
+            # What slurmctld does once slurmd has not answered for SlurmdTimeout (30 s here), without
+            # the wait: the node is down, its jobs NODE_FAIL, while their programs may still run.
+            await asyncio.to_thread(slurm.run, "scontrol", "update", "nodename=localhost", "state=down",
+                                    "reason=chaos: slurmd killed")
         await asyncio.to_thread(slurm.start_daemon, daemon)
         status = await wait_job(stack.url, job_hash)
     stop.set()
@@ -105,6 +112,15 @@ async def test_slurmctld_killed_while_a_job_runs(slurm_stack, slurm, tiny, rng):
 async def test_slurmd_killed_while_a_job_runs(slurm_stack, slurm, tiny, rng):
     runs = await kill_a_daemon(slurm_stack, slurm, tiny, rng, "slurmd")
     # slurmstepd outlives its slurmd and the restarted slurmd takes its steps up again, so the job
-    # runs on; had the node been declared down (after SlurmdTimeout) the job would have been
-    # requeued, and check_runs holds for that too.
+    # runs on (a node declared down meanwhile: the next test).
     assert len(runs) == 1, runs
+
+
+async def test_slurmd_killed_and_its_node_declared_down(slurm_stack, slurm, tiny, rng):
+    # Killed early enough (by step 8 of 40, steps of 0.3 s at best) that the job is still running
+    # when the node is declared down 1-5 s later.
+    runs = await kill_a_daemon(slurm_stack, slurm, tiny, rng, "slurmd", max_steps=40, until_node_down=True)
+    # Slurm failed the job (NODE_FAIL) and the trainer submitted the next run at once, while the
+    # first one's program still ran: the next one waited for it (ml/train's run lock), then resumed
+    # from its checkpoint. Without that wait both ran together (see wait_for_the_run_before).
+    assert len(runs) == 2, runs

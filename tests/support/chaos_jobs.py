@@ -21,7 +21,7 @@ import nats
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from loopline.common import subjects
-from loopline.common.job_layout import CHECKPOINTS_DIR
+from loopline.common.job_layout import CHECKPOINTS_DIR, EVENTS_FILE, checkpoint_step
 from loopline.common.stack import LocalStack
 from support.chaos import assert_answered_once, openai_load
 
@@ -69,11 +69,17 @@ async def wait_for(predicate, timeout_s: float, what: str) -> None:
 
 def checkpoint_steps(job_dir: Path) -> list[int]:
     """The complete checkpoints on disk (the program keeps the last few)."""
-    return sorted(int(p.name.split("-")[1]) for p in (job_dir / CHECKPOINTS_DIR).glob("step-*"))
+    try:
+        names = os.listdir(job_dir / CHECKPOINTS_DIR)
+    except FileNotFoundError:
+        return []
+    return sorted(step for step in map(checkpoint_step, names) if step is not None)
 
 
 class RunWatch:
-    """Samples how many training programs of a job run at once, every 50 ms, while it is open."""
+    """Samples, every 50 ms while it is open, how many training programs of a job are running it:
+    have its events.jsonl open, which a run does from its start to its end (one merely started,
+    waiting for the run before it to end, does not yet)."""
 
     def __init__(self, job_dir: Path):
         self.job_dir = job_dir
@@ -83,7 +89,7 @@ class RunWatch:
     async def _sample(self) -> None:
         # Invariant: most_at_once is the largest count seen so far.
         while True:
-            count = len(await asyncio.to_thread(training_pids, self.job_dir))
+            count = len(await asyncio.to_thread(running_pids, self.job_dir))
             self.most_at_once = max(self.most_at_once, count)
             await asyncio.sleep(0.05)
 
@@ -200,6 +206,18 @@ def training_pids(job_dir: Path) -> list[int]:
         if b"loopline.ml.train" in argv and str(job_dir).encode() in argv:
             pids.append(int(entry.name))
     return pids
+
+
+def running_pids(job_dir: Path) -> list[int]:
+    """The job's training programs that have its events.jsonl open (are running it)."""
+    events = str(job_dir / EVENTS_FILE)
+    running = []
+    for pid in training_pids(job_dir):
+        with contextlib.suppress(OSError):  # ended while we looked
+            fds = Path(f"/proc/{pid}/fd")
+            if any(os.readlink(fd) == events for fd in fds.iterdir()):
+                running.append(pid)
+    return running
 
 
 def kill_training(job_dir: Path) -> list[int]:

@@ -10,6 +10,7 @@
         checkpoints/step-%08d/                                             (training program)
             adapter_config.json, adapter_model.safetensors   (adapter_format)
             training_state.pt                                optimizer, scheduler, data order, RNG
+        .run.lock            locked (POSIX) by the run writing the folder  (training program)
 
 A checkpoint is written into ``.tmp-step-%08d-*`` beside the others and renamed into place, so a
 folder with a checkpoint name is complete. Names starting with "." are always someone's work in
@@ -30,6 +31,9 @@ STATUS_FILE = "status.json"
 EVENTS_FILE = "events.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 TRAINING_STATE_FILE = "training_state.pt"
+# One run of a job writes its folder at a time: a run starting while the one before still runs (a
+# node declared down with its program alive, a cancelled run still checkpointing) waits for it.
+RUN_LOCK_FILE = ".run.lock"
 
 # Written with 8 digits, read with 8 or more: a step past 99,999,999 still names its checkpoint,
 # and "step-7" (hand-made, or another tool's) is not one of ours.

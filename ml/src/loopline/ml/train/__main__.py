@@ -8,13 +8,16 @@ Logs go to stderr (Slurm's output file); the job's state is in DIR/status.json a
 from __future__ import annotations
 
 import argparse
+import fcntl
 import logging
 import signal
 import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
+
+from loopline.common.job_layout import RUN_LOCK_FILE
 
 if TYPE_CHECKING:
     from loopline.common.train_params import JobConfig
@@ -61,6 +64,9 @@ def run_program(job_dir: Path, run_job: RunJob | None = None) -> int:
         log.error("job directory %s does not exist", job_dir)
         return EXIT_FAILED
 
+    # Held until the process ends (kill -9 included: the kernel drops a dead process's locks).
+    run_lock = wait_for_the_run_before(job_dir, log)  # noqa: F841 - held by being open
+
     # Imported after the handler is in place: torch and transformers take seconds to import.
     from loopline.common.train_params import JobConfig
 
@@ -81,6 +87,27 @@ def run_program(job_dir: Path, run_job: RunJob | None = None) -> int:
         return EXIT_FAILED
     finally:
         reporter.close()
+
+
+def wait_for_the_run_before(job_dir: Path, log: logging.Logger) -> IO[bytes]:
+    """Lock the job's run lock, waiting while another run holds it; the open lock file.
+
+    Slurm lets a new run of a job start while an earlier one still runs: when it declares a node
+    down (slurmd silent past SlurmdTimeout) it fails the job at once and the trainer submits the
+    next run, but the program on that node is not stopped until its slurmd is back (measured in
+    tests/e2e/test_chaos_slurm.py: two programs of one job ran together for 5 s, both appending
+    to events.jsonl and writing checkpoints of the same steps). Waiting here, before anything is
+    read or written, makes the new run resume from what the old one left once it is gone. A POSIX
+    lock (not flock) so it also holds between nodes on NFS."""
+    lock = open(job_dir / RUN_LOCK_FILE, "ab")  # noqa: SIM115 - open for the process's life
+    try:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        log.warning("another run of this job still runs (its node was declared down, or it is still "
+                    "checkpointing after a stop): waiting for it to end")
+        fcntl.lockf(lock, fcntl.LOCK_EX)
+        log.info("the run before ended; starting from what it left")
+    return lock
 
 
 if __name__ == "__main__":
