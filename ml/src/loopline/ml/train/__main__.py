@@ -94,11 +94,12 @@ def wait_for_the_run_before(job_dir: Path, log: logging.Logger) -> IO[bytes]:
 
     Slurm lets a new run of a job start while an earlier one still runs: when it declares a node
     down (slurmd silent past SlurmdTimeout) it fails the job at once and the trainer submits the
-    next run, but the program on that node is not stopped until its slurmd is back (measured in
-    tests/e2e/test_chaos_slurm.py: two programs of one job ran together for 5 s, both appending
-    to events.jsonl and writing checkpoints of the same steps). Waiting here, before anything is
-    read or written, makes the new run resume from what the old one left once it is gone. A POSIX
-    lock (not flock) so it also holds between nodes on NFS."""
+    next run, but the program on that node is not stopped until its slurmd is back, and then gets
+    KillWait to checkpoint (tests/e2e/test_chaos_slurm.py saw two programs of one job alive together
+    for 5 s; on a node cut off from the controller it lasts as long as the cut). Two runs writing
+    at once would interleave events.jsonl and write checkpoints of the same steps. Waiting here,
+    before anything is read or written, makes the new run resume from what the old one left once
+    it is gone. A POSIX lock (not flock) so it also holds between nodes on NFS."""
     lock = open(job_dir / RUN_LOCK_FILE, "ab")  # noqa: SIM115 - open for the process's life
     try:
         fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
