@@ -98,7 +98,7 @@ def main() -> int:
     if report["breaches"]:
         print("FAIL: " + "; ".join(report["breaches"]))
         return 1
-    print("PASS: every request answered once, nothing grew past its limit")
+    print("PASS: every request answered (each ScalarLM answer stored once), nothing grew past its limit")
     return 0
 
 
