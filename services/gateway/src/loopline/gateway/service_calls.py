@@ -52,6 +52,7 @@ class ServiceCalls:
     async def live_deployments(self) -> set[str]:
         """The deployments with an inference replica answering now (each replica's service
         metadata names its deployment)."""
-        instances = await self.ping(subjects.INFERENCE_SERVICE)
+        # Longer than /v1/health's wait: a replica busy generating may answer a little late.
+        instances = await self.ping(subjects.INFERENCE_SERVICE, wait_s=0.5)
         return {str(meta["deployment"]) for i in instances
                 if isinstance(meta := i.get("metadata"), dict) and meta.get("deployment")}
