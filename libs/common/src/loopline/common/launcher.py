@@ -166,24 +166,27 @@ def stop_local_runs(runs_dir: Path, timeout_s: float = 10.0) -> None:
             pid, start = int(record["pid"]), str(record["start"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if _start_time(pid) == start:
+        if process_start_time(pid) == start:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGTERM)
             alive.append((pid, start))
     deadline = time.monotonic() + timeout_s
     while alive and time.monotonic() < deadline:
         time.sleep(0.1)
-        alive = [(pid, start) for pid, start in alive if _start_time(pid) == start]
+        alive = [(pid, start) for pid, start in alive if process_start_time(pid) == start]
     for pid, _ in alive:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time (field 22 of /proc/<pid>/stat), as the local launcher records it."""
+def process_start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks (field 22 of /proc/<pid>/stat; with the pid, unique),
+    or None if it is not running; a zombie counts as ended. The local launcher records it beside a
+    run's pid, so a reused pid is never taken for the run."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
+    # The command name (field 2) may hold spaces; the fields after its ')' are plain.
     fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] == "Z" else fields[19]
+    return None if fields[0] in ("Z", "X") else fields[19]

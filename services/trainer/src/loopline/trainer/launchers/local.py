@@ -21,6 +21,7 @@ from pathlib import Path
 
 from loopline.common.job_env import job_environment
 from loopline.common.job_layout import ENTRYPOINT_FILE
+from loopline.common.launcher import process_start_time
 from loopline.trainer import jobdir
 from loopline.trainer.launchers import LauncherError, LaunchSpec, LaunchState
 
@@ -32,20 +33,6 @@ KILL_WAIT_S = 30.0
 # an ignored signal), waits for the entrypoint, then records its status atomically.
 _WRAPPER = ('trap ":" TERM INT HUP; "$@"; rc=$?; '
             'echo "$rc" > "$EXIT_FILE.tmp"; mv "$EXIT_FILE.tmp" "$EXIT_FILE"')
-
-
-def _proc_start(pid: int) -> str | None:
-    """The process's start time in clock ticks (with the pid, unique), or None if it is not
-    running; a zombie counts as ended."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces; the fields after its ')' are plain.
-    fields = stat.rsplit(")", 1)[1].split()
-    if fields[0] in ("Z", "X"):
-        return None
-    return fields[19]
 
 
 class LocalLauncher:
@@ -71,7 +58,7 @@ class LocalLauncher:
             return None
 
     def _alive(self, run_id: str, record: dict) -> bool:
-        alive = _proc_start(record["pid"]) == record["start"]
+        alive = process_start_time(record["pid"]) == record["start"]
         child = self._children.get(run_id)
         # Our own child is a zombie once it ended, until we wait for it: reap it now.
         if not alive and child is not None and child.poll() is not None:
@@ -106,7 +93,7 @@ class LocalLauncher:
                 )
         except OSError as exc:
             raise LauncherError(f"could not start {spec.job_dir / ENTRYPOINT_FILE}: {exc}") from exc
-        start = _proc_start(child.pid) or ""
+        start = process_start_time(child.pid) or ""
         record = {"pid": child.pid, "start": start, "job_hash": spec.job_hash,
                   "job_dir": str(spec.job_dir), "log": log_path.name, "submitted_at": time.time()}
         tmp = self.runs_dir / f".{run_id}.json.tmp"
