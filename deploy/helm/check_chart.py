@@ -110,7 +110,8 @@ BAD: dict[str, dict] = {
     "external postgres without url": {"postgres": {"enabled": False}},
     "password not url-safe": {"postgres": {"password": "p@ss/word"}},
     "nats password not url-safe": {"nats": {"auth": {"passwords": {"gateway": "abcdefghij:b@c"}}}},
-    "nats password nats-server would read as a number": {"nats": {"auth": {"passwords": {"queue": "123456789012"}}}},
+    "nats password nats-server would read as a number": {
+        "nats": {"auth": {"passwords": {"queue": "123456789012"}}}},
     "nats password for no role": {"nats": {"auth": {"passwords": {"admin": "abcdefghijkl"}}}},
     "api key with a comma": {"gateway": {"apiKeys": {"keys": ["a,b"]}}},
     "zero compute cpus": {"slurm": {"compute": {"cpus": 0}}},
