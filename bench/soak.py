@@ -35,8 +35,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 sys.path.insert(0, str(REPO / "tests"))  # support.soak_*: the same code the soak test runs
+# bench/tinker.py shares the SDK's name: with this folder on sys.path ``import tinker`` would find it.
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 from support.soak_probe import Limits  # noqa: E402 - after the path it needs
 from support.soak_run import FAULT_KINDS, SoakConfig, soak, summary  # noqa: E402
@@ -54,6 +57,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--openai-clients", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--train-every", type=float, default=300.0, help="seconds; 0 for no training")
+    parser.add_argument("--tinker-every", type=float, default=0.0,
+                        help="seconds between a Tinker session's steps; 0 for no session")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--answer-deadline", type=float, default=240.0, help="seconds")
     parser.add_argument("--rss-ratio", type=float, default=Limits.rss_ratio)
@@ -68,6 +73,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
     from loopline.common.stack import LocalStack
     from loopline.ml.models.resolve import resolve_model
 
@@ -75,7 +81,8 @@ def main() -> int:
         minutes=args.minutes, warmup_s=args.warmup, fault_every_s=args.fault_every,
         faults=tuple(k.strip() for k in args.faults.split(",") if k.strip()),
         sample_every_s=args.sample_every, openai_clients=args.openai_clients, batch_size=args.batch_size,
-        train_every_s=args.train_every, max_tokens=args.max_tokens, answer_deadline_s=args.answer_deadline,
+        train_every_s=args.train_every, tinker_every_s=args.tinker_every, max_tokens=args.max_tokens,
+        answer_deadline_s=args.answer_deadline,
         seed=args.seed, limits=Limits(rss_ratio=args.rss_ratio, fd_slack=args.fd_slack,
                                       consumer_slack=args.consumer_slack))
     models_dir = REPO / ".loopline" / "models"

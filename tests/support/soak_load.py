@@ -49,12 +49,23 @@ class Tally:
                 "errors": dict(self.errors.most_common(8))}
 
 
-def retryable(error: BaseException) -> bool:
-    """What a client waits out: the gateway away or restarting, a full queue, a 5xx."""
-    if isinstance(error, openai.APIStatusError):
-        return error.status_code == 429 or error.status_code >= 500
+def status_of(error: BaseException) -> int | None:
+    """The HTTP status a client library's error carries (openai's, tinker's, httpx's), if any."""
     if isinstance(error, httpx.HTTPStatusError):
-        return error.response.status_code == 429 or error.response.status_code >= 500
+        return error.response.status_code
+    status = getattr(error, "status_code", None)
+    return status if isinstance(status, int) else None
+
+
+def retryable(error: BaseException) -> bool:
+    """What a client waits out: the gateway away or restarting, a full queue, a 5xx, a Tinker future
+    failed by a worker that went away."""
+    status = status_of(error)
+    if status is not None:
+        return status == 429 or status >= 500
+    if type(error).__module__.startswith("tinker") and type(error).__name__ in (
+            "APIConnectionError", "APITimeoutError", "RequestFailedError"):
+        return True
     return isinstance(error, (openai.APIConnectionError, httpx.TransportError, aiohttp.ClientError,
                               ConnectionError, TimeoutError, IncompleteStream, ModelNotListed,
                               TrainingCallFailed))
@@ -91,7 +102,7 @@ class Load:
         self.max_tokens = max_tokens
         self.tallies = {kind: Tally() for kind in
                         ("completion", "completion_stream", "chat", "chat_stream", "models", "scalarlm",
-                         "training")}
+                         "training", "tinker")}
         self.stop = asyncio.Event()
         self.counter = itertools.count()
 
@@ -107,7 +118,7 @@ class Load:
                 return answer
             except Exception as error:  # sorted below: retried, counted as rejected, or raised
                 if not retryable(error):
-                    if isinstance(error, (openai.APIStatusError, httpx.HTTPStatusError)):
+                    if status_of(error) is not None:
                         tally.rejected += 1
                         tally.errors[f"rejected {error}"[:120]] += 1
                         return None
@@ -250,3 +261,38 @@ class Load:
             if status in FINISHED_JOB:
                 return status
             await asyncio.sleep(1.0)
+
+    # --- Tinker -----------------------------------------------------------------------------------
+    async def tinker_client(self, base_model: str, every_s: float) -> None:
+        """One LoRA training session through the unmodified ``tinker`` SDK (its calls block: run in
+        a thread), a forward_backward + optim_step on 16 token ids every ``every_s``. Each step is
+        one request in the tally; a retried step may apply its gradients twice, which is not judged."""
+        import tinker
+        from tinker import types
+
+        service = tinker.ServiceClient(base_url=self.url, api_key="tml-loopline-soak")
+
+        def open_session():
+            created = service.create_lora_training_client(base_model=base_model, rank=4)
+            # tinker 0.38 answers a future of the client (using it as the client is deprecated).
+            return created.result() if hasattr(created, "result") else created
+
+        session = await self.patiently(self.tallies["tinker"], lambda: asyncio.to_thread(open_session))
+        if session is None:
+            return
+        tokens = [3 + (7 * i) % 200 for i in range(17)]
+        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 16})
+
+        def step() -> None:
+            session.forward_backward([datum], "cross_entropy").result()
+            session.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
+        # Invariant: every step started by this loop has been answered or given up.
+        while not self.stop.is_set():
+            await self.patiently(self.tallies["tinker"], lambda: asyncio.to_thread(step))
+            try:
+                async with asyncio.timeout(every_s):
+                    await self.stop.wait()
+            except TimeoutError:
+                pass

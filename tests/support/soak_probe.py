@@ -19,6 +19,7 @@ import nats
 
 from loopline.common import subjects
 from loopline.common.stack import LocalStack
+from loopline.common.tinker_names import TINKER_DIR
 from support.soak_load import quiet
 
 # nats-server's /varz figures worth following over hours.
@@ -85,16 +86,20 @@ def proc_figures(pid: int) -> dict[str, float] | None:
             "threads": int(fields["Threads"]), "processes": 1, "detached": 0}
 
 
-def live_local_runs(runs_dir: Path) -> int:
-    """Runs of the trainer's local launcher (training jobs, session workers) still running: their
-    records whose process, by pid and start time, is alive (killing the trainer leaves them to
-    init, so they are not in its process tree)."""
-    alive = 0
+def live_local_runs(jobs_dir: Path) -> dict[str, int]:
+    """Runs of the trainer's local launcher still running, training jobs and Tinker session workers
+    apart: their records (``<jobs>/.local-runs``) whose process, by pid and start time, is alive
+    (killing the trainer leaves them to init, so they are not in its process tree)."""
+    workers_dir = jobs_dir / TINKER_DIR
+    alive = {"jobs": 0, "tinker_workers": 0}
+    runs_dir = jobs_dir / ".local-runs"
     # Invariant: alive counts the records read so far whose process is the one recorded.
     for record_file in sorted(runs_dir.glob("*.json")) if runs_dir.is_dir() else []:
         try:
             record = json.loads(record_file.read_text())
-            alive += start_time(int(record["pid"])) == str(record["start"])
+            if start_time(int(record["pid"])) == str(record["start"]):
+                worker = Path(record["job_dir"]).is_relative_to(workers_dir)
+                alive["tinker_workers" if worker else "jobs"] += 1
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return alive
@@ -149,7 +154,7 @@ def server_figures(monitor_port: int) -> dict[str, Any]:
 async def take_sample(stack: LocalStack, label: str, started: float) -> dict[str, Any]:
     return {"label": label, "t_s": round(time.monotonic() - started, 1),
             "processes": process_sample(stack),
-            "local_runs": live_local_runs(stack.jobs_dir / ".local-runs"),
+            "local_runs": live_local_runs(stack.jobs_dir),
             **await nats_sample(stack.nats_url, stack.nats_monitor_port)}
 
 
@@ -175,8 +180,8 @@ def breaches(start: dict, end: dict, tallies: dict[str, dict], limits: Limits) -
                          f"(> x{limits.rss_ratio})")
         if last["fds"] > first["fds"] + limits.fd_slack:
             found.append(f"{name}: open fds {first['fds']} -> {last['fds']} (> +{limits.fd_slack})")
-    if end.get("local_runs"):
-        found.append(f"{end['local_runs']} training jobs or workers still running after every job ended")
+    if end["local_runs"]["jobs"]:
+        found.append(f"{end['local_runs']['jobs']} training jobs still running after every job ended")
     for stream, last in end["streams"].items():
         first = start["streams"].get(stream, {"consumers": 0, "messages": 0})
         if last["consumers"] > first["consumers"] + limits.consumer_slack:

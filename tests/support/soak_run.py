@@ -40,6 +40,7 @@ class SoakConfig:
     batch_size: int = 16
     batch_pause_s: float = 2.0
     train_every_s: float = 300.0  # 0: no training jobs
+    tinker_every_s: float = 0.0  # a Tinker session's step this often; 0: no Tinker session
     max_tokens: int = 16
     answer_deadline_s: float = 240.0  # a request unanswered this long after it started: breach
     settle_s: float = 10.0  # after the drain, before the end sample
@@ -140,6 +141,9 @@ async def soak(stack: LocalStack, config: SoakConfig, *, train_model: str | None
         if config.train_every_s > 0:
             drivers.append(asyncio.create_task(
                 load.trainer_client(train_model or stack.deployments[0].model, config.train_every_s)))
+        if config.tinker_every_s > 0:
+            drivers.append(asyncio.create_task(
+                load.tinker_client(train_model or stack.deployments[0].model, config.tinker_every_s)))
         supervisor = asyncio.create_task(chaos.supervising())
         await asyncio.sleep(config.warmup_s)
         samples = [await chaos.sample("start")]
@@ -168,14 +172,16 @@ async def soak(stack: LocalStack, config: SoakConfig, *, train_model: str | None
 
 
 def trend(samples: list[dict]) -> str:
-    """One line per sample: total RSS, total fds, total consumers, stream bytes, jobs running."""
+    """One line per sample: total RSS, total fds, total consumers, stream bytes, jobs and Tinker
+    session workers running."""
     lines = [f"{'sample':<10}{'t s':>8}{'RSS MB':>9}{'fds':>6}{'consumers':>11}{'stream MB':>11}"
-             f"{'jobs':>6}"]
+             f"{'jobs':>6}{'tinker workers':>16}"]
     for s in samples:
         procs, streams = s["processes"].values(), s["streams"].values()
         lines.append(f"{s['label']:<10}{s['t_s']:>8.0f}{sum(p['rss_mb'] for p in procs):>9.0f}"
                      f"{sum(p['fds'] for p in procs):>6}{sum(x['consumers'] for x in streams):>11}"
-                     f"{sum(x['bytes'] for x in streams) / 2**20:>11.2f}{s['local_runs']:>6}")
+                     f"{sum(x['bytes'] for x in streams) / 2**20:>11.2f}{s['local_runs']['jobs']:>6}"
+                     f"{s['local_runs']['tinker_workers']:>16}")
     return "\n".join(lines)
 
 
