@@ -58,8 +58,12 @@ def test_up_starts_everything_and_ctrl_c_leaves_nothing_behind(tmp_path):
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
     finally:
-        if up.poll() is None:
-            up.kill()
+        if up.poll() is None:  # a failed assertion: stop the stack as Ctrl-C does, or it outlives us
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                up.kill()
     deadline = time.monotonic() + 10
     while processes_with_state_dir(state.resolve()) and time.monotonic() < deadline:
         time.sleep(0.2)
