@@ -57,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--openai-clients", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--train-every", type=float, default=300.0, help="seconds; 0 for no training")
-    parser.add_argument("--tinker-every", type=float, default=0.0,
+    parser.add_argument("--tinker-every", type=float, default=60.0,
                         help="seconds between a Tinker session's steps; 0 for no session")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--answer-deadline", type=float, default=240.0, help="seconds")

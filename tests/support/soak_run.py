@@ -95,10 +95,13 @@ class Chaos:
             kind = next(kinds)
             async with self.lock:
                 began = time.monotonic()
-                target = await asyncio.to_thread(self.inflict, kind)
-                self.restarts[target] += 1
-                self.faults.append({"t_s": round(began - self.started, 1), "kind": kind, "target": target,
-                                    "restart_s": round(time.monotonic() - began, 2)})
+                fault = {"t_s": round(began - self.started, 1), "kind": kind, "target": kind}
+                try:
+                    fault["target"] = await asyncio.to_thread(self.inflict, kind)
+                except Exception as error:  # noqa: BLE001 - a restart that failed is a finding, reported
+                    fault["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                self.restarts[fault["target"]] += 1
+                self.faults.append({**fault, "restart_s": round(time.monotonic() - began, 2)})
             next_at += self.config.fault_every_s
 
     def revive(self, name: str) -> None:
@@ -116,10 +119,13 @@ class Chaos:
             await asyncio.sleep(2.0)
             async with self.lock:
                 for proc in self.stack.dead():
-                    self.unexpected_exits.append({"t_s": round(time.monotonic() - self.started, 1),
-                                                  "name": proc.name, "returncode": proc.popen.returncode,
-                                                  "log_tail": proc.log_tail(8)})
-                    await asyncio.to_thread(self.revive, proc.name)
+                    exit_ = {"t_s": round(time.monotonic() - self.started, 1), "name": proc.name,
+                             "returncode": proc.popen.returncode, "log_tail": proc.log_tail(8)}
+                    self.unexpected_exits.append(exit_)
+                    try:
+                        await asyncio.to_thread(self.revive, proc.name)
+                    except Exception as error:  # noqa: BLE001 - reported; the next pass tries again
+                        exit_["revive_error"] = f"{type(error).__name__}: {str(error)[:300]}"
 
     async def sample(self, label: str) -> dict:
         async with self.lock:
@@ -165,6 +171,8 @@ async def soak(stack: LocalStack, config: SoakConfig, *, train_model: str | None
         samples.append(await chaos.sample("end"))
     tallies = {kind: tally.as_dict() for kind, tally in load.tallies.items()}
     found = breaches(samples[0], samples[-1], tallies, config.limits)
+    found += [f"{f['target']} at {f['t_s']:.0f} s: the restart failed ({f['error']})"
+              for f in chaos.faults if "error" in f]
     return {"config": {**asdict(config), "faults": list(config.faults)},
             "duration_s": round(time.monotonic() - started, 1), "tallies": tallies, "faults": chaos.faults,
             "unexpected_exits": chaos.unexpected_exits, "samples": samples, "breaches": found,
