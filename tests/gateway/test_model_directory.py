@@ -11,6 +11,7 @@ import pytest
 
 from loopline.common import bus, launcher, subjects
 from loopline.common.schemas import DeploymentInfo
+from loopline.gateway import model_directory
 from loopline.gateway.errors import ApiError
 from loopline.gateway.model_directory import ModelDirectory
 from support.nats import nats_server
@@ -25,8 +26,10 @@ class Census:
 
     def __init__(self) -> None:
         self.alive: set[str] = set()
+        self.calls = 0
 
     async def __call__(self) -> set[str]:
+        self.calls += 1
         return set(self.alive)
 
 
@@ -101,3 +104,25 @@ def test_a_deployment_without_a_replica_is_unlisted_then_refused_with_503(tmp_pa
     assert seen["tiny"] == "tiny"
     assert seen["tiny_gone"] == 503
     assert seen["tiny_back"] == "tiny"
+
+
+def test_listing_asks_the_replicas_again_only_for_a_deployment_announced_lately(tmp_path, monkeypatch):
+    monkeypatch.setattr(model_directory, "LISTED_FOR_S", 1.0)
+    census = Census()
+    census.alive = {"tiny"}
+
+    async def scenario(url: str) -> tuple[int, int, list[str]]:
+        directory, nc = await _directory(url, census, grace_s=60)
+        census.calls = 0
+        await directory.refresh_listing()  # "old" was announced just now: worth asking again
+        lately = census.calls
+        await asyncio.sleep(1.2)
+        await directory.take_census()
+        census.calls = 0
+        listed = await directory.refresh_listing()  # "old" has been unserved a while: no wait
+        await nc.close()
+        return lately, census.calls, [info.model for info in listed]
+
+    with nats_server(tmp_path) as server:
+        lately, later, listed = asyncio.run(scenario(server.info["url"]))
+    assert (lately, later, listed) == (1, 0, ["tiny"])

@@ -108,12 +108,18 @@ class ModelDirectory:
             self.seen_at[deployment] = now
 
     async def refresh_listing(self) -> list[DeploymentInfo]:
-        """The bucket re-read, and the census taken again when it lists a deployment not seen alive
-        lately (one whose replica just started: the loop's census may be 2 s old)."""
+        """The bucket re-read, and the census taken again (0.5 s) when it holds a deployment announced
+        lately and not seen alive yet: its replica just started, and the loop's census may be 2 s
+        old. Not for an entry long unserved (a model the stack no longer runs): every listing would
+        wait for it."""
         await self.refresh()
-        if len(self.listed()) < len(self.served):
+        now = time.monotonic()
+        listed = self.listed()
+        if any(info not in listed and now - self.known_at.get(info.deployment, now) <= LISTED_FOR_S
+               for info in self.served.values()):
             await self.take_census()
-        return self.listed()
+            listed = self.listed()
+        return listed
 
     def listed(self) -> list[DeploymentInfo]:
         """The deployments some replica answered for lately: what /v1/models shows."""
