@@ -114,7 +114,7 @@ async def test_queue_service_killed_mid_load(chaos_stack, rng):
 
     print({kind: (t.started, t.retries, dict(t.errors)) for kind, t in load.tallies.items()})
     for kind, tally in load.tallies.items():
-        if kind == "training":
+        if kind in ("training", "tinker"):  # the load's other clients, not driven here
             continue
         assert tally.started > 0 and tally.answered == tally.started, (kind, tally.as_dict())
         assert tally.gave_up == tally.rejected == tally.duplicates == 0, (kind, tally.as_dict())
