@@ -2,8 +2,8 @@
 
 Every role's permissions are built here, once, from the names in subjects.py, and
 ``nats_auth.server_config`` turns them into nats-server's ``authorization`` block (docker compose,
-Helm, and ``LocalStack(nats_auth=True)`` all run that). Read /work/notes/nats-auth.md (folded into
-docs/) for the table and what stays coarse.
+Helm, and ``LocalStack(nats_auth=True)`` all run that). docs/security.md has the table of roles and
+what stays coarse.
 
 JetStream is driven through core subjects, so its API is permitted subject by subject:
 ``$JS.API.STREAM.CREATE.<stream>``, ``$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>``, acks on
