@@ -7,37 +7,20 @@ import asyncio
 import time
 
 import httpx
-import nats
 
-from loopline.common import launcher, subjects
+from loopline.common import launcher
+from support import chaos
 from support.stacks import make_stack
 
 
 def results_until_done(url: str, ids: list[str], deadline_s: float) -> list[dict]:
     """Poll get_results as ScalarLM's client does until every prompt has an answer."""
-    give_up = time.monotonic() + deadline_s
-    with httpx.Client(base_url=url, timeout=120) as http:
-        while True:
-            resp = http.post("/v1/generate/get_results", json={"request_ids": ids})
-            if resp.status_code == 200:
-                results = resp.json()["results"]
-                if all(r["response"] is not None or r["error"] for r in results):
-                    return results
-            assert time.monotonic() < give_up, f"not all answered: {resp.status_code} {resp.text[:300]}"
-            time.sleep(0.2)
+    return asyncio.run(chaos.results_until_done(url, ids, deadline_s))
 
 
 def stored_result_counts(nats_url: str, group: str) -> dict[str, int]:
-    async def count() -> dict[str, int]:
-        nc = await nats.connect(nats_url)
-        try:
-            info = await nc.jetstream().stream_info(subjects.RESULTS_STREAM,
-                                                    subjects_filter=subjects.results_of_group(group))
-            return dict(info.state.subjects or {})
-        finally:
-            await nc.close()
-
-    return asyncio.run(count())
+    """How many results RESULTS holds for each request id of the batch."""
+    return asyncio.run(chaos.stored_results(nats_url, group))
 
 
 def submit(url: str, prompts: list[str], max_tokens: int) -> list[str]:

@@ -22,6 +22,7 @@ import openai
 
 from loopline.common import launcher, subjects
 from loopline.common.stack import LocalStack
+from support.soak_load import IncompleteStream
 
 SEED_VARIABLE = "LOOPLINE_CHAOS_SEED"
 
@@ -48,10 +49,6 @@ class Answer:
     attempts: int = 0  # whole requests the caller made (the openai client's own retries are inside)
     texts: list[str] = field(default_factory=list)  # complete answers received: must be exactly one
     errors: list[str] = field(default_factory=list)  # what the attempts that failed met
-
-
-class IncompleteStream(Exception):
-    """The stream ended without a finish reason: the gateway went away mid-answer."""
 
 
 async def one_answer(client: openai.AsyncOpenAI, model: str, kind: str, prompt: str, max_tokens: int,
