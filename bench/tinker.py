@@ -151,7 +151,7 @@ async def sampling(service, stack, base: str, prompts: list[list[int]], args) ->
     import aiohttp
     from tinker import types as tt
 
-    from loopline.gateway.tinker_sampling import completion_body
+    from loopline.gateway.tinker.sampling import completion_body
 
     sampler = await service.create_sampling_client(base_model=base)
     gate = asyncio.Semaphore(args.concurrency)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from loopline.cli.main import app as cli_app
-from loopline.gateway.key_store import key_hash, read_key_file
+from loopline.gateway.auth.key_store import key_hash, read_key_file
 
 LOOPLINE = str(Path(sys.executable).with_name("loopline"))  # the installed command
 

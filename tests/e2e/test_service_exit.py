@@ -25,8 +25,8 @@ import pytest
 
 from loopline.common import bus, launcher, runtime, subjects
 from loopline.common.schemas import ResultItem, ServiceStatus, WorkItem
-from loopline.gateway.submit import Prompt, request_id
-from loopline.gateway.work import WorkPublisher
+from loopline.gateway.core.submit import Prompt, request_id
+from loopline.gateway.core.work import WorkPublisher
 from support.kill_loop import KILLED
 from support.stacks import MODELS_DIR, tiny_model
 

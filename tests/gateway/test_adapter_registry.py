@@ -8,7 +8,7 @@ import time
 
 from loopline.common import bus, launcher, subjects
 from loopline.common.job_schemas import AdapterEvent
-from loopline.gateway.adapters import AdapterRegistry
+from loopline.gateway.core.adapters import AdapterRegistry
 from support.nats import nats_server, restart
 
 

@@ -10,8 +10,8 @@ import nats
 
 from loopline.common import subjects
 from loopline.common.schemas import ResultItem
-from loopline.gateway.answers import Answers
-from loopline.gateway.submit import request_id
+from loopline.gateway.core.answers import Answers
+from loopline.gateway.core.submit import request_id
 from support.nats import nats_server
 
 

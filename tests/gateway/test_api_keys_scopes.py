@@ -13,7 +13,7 @@ import pytest
 
 from loopline.common import launcher
 from loopline.common.job_layout import DATASET_FILE
-from loopline.gateway.key_store import KeyEntry, KeyFile, key_hash, new_key, write_key_file
+from loopline.gateway.auth.key_store import KeyEntry, KeyFile, key_hash, new_key, write_key_file
 from support.gateway_process import start_gateway, wait_job
 from support.training_data import EXAMPLES, archive, jsonlines
 

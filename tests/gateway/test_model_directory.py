@@ -11,9 +11,9 @@ import pytest
 
 from loopline.common import bus, launcher, subjects
 from loopline.common.schemas import DeploymentInfo
-from loopline.gateway import model_directory
-from loopline.gateway.errors import ApiError
-from loopline.gateway.model_directory import ModelDirectory
+from loopline.gateway.core import model_directory
+from loopline.gateway.core.errors import ApiError
+from loopline.gateway.core.model_directory import ModelDirectory
 from support.nats import nats_server
 
 SERVED = DeploymentInfo(model="tiny", deployment="tiny", max_model_len=256, engine="vllm")

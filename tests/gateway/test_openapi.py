@@ -1,6 +1,6 @@
 """The gateway's OpenAPI document as a real gateway process serves it: vLLM's own request bodies on the
 relayed routes (vllm_openapi.json, which must be what the installed vLLM documents), every other
-route's statuses from route_statuses.ROUTES (and its API-key scope in route_scopes.ROUTE_SCOPES), the
+route's statuses and API-key scope as it declares them where it is defined (route_spec.declare), the
 middleware's 401 and 413, and no dangling reference.
 Whether the routes answer only what is listed is the fuzz run's job (tests/e2e/test_fuzz.py)."""
 
@@ -15,9 +15,12 @@ import pytest
 
 from loopline.common import launcher
 from loopline.common.schemas import QUEUED_ROUTES
-from loopline.gateway.openapi_docs import STATUSES, VLLM_OPENAPI, vllm_document
-from loopline.gateway.route_scopes import ANY_KEY, OPEN, ROUTE_SCOPES, SCOPES
-from loopline.gateway.route_statuses import ROUTES
+from loopline.gateway.auth.scopes import ANY_KEY, OPEN, SCOPES
+from loopline.gateway.core.openapi_docs import STATUSES, VLLM_OPENAPI, vllm_document
+from loopline.gateway.core.route_spec import SCOPE
+from loopline.gateway.openai import routers as openai
+from loopline.gateway.scalarlm import routers as scalarlm
+from loopline.gateway.tinker import routers as tinker
 from support.gateway_process import start_gateway
 
 
@@ -47,10 +50,10 @@ def test_vllm_openapi_json_is_what_the_installed_vllm_documents():
     if vllm.__version__ != written_by:
         pytest.skip(f"{VLLM_OPENAPI.name} was written with vLLM {written_by}; this is {vllm.__version__}")
     # The documented command, in its own process: vLLM's import sets up logging and threads.
-    run = subprocess.run([sys.executable, "-m", "loopline.gateway.openapi_docs"], capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "loopline.gateway.core.openapi_docs"], capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, (f"{run.stdout}\n{run.stderr[-2000:]}\nrun `python -m "
-                                 "loopline.gateway.openapi_docs --write` and commit the file")
+                                 "loopline.gateway.core.openapi_docs --write` and commit the file")
 
 
 def test_relayed_routes_take_vllms_request_bodies(document):
@@ -66,14 +69,27 @@ def test_relayed_routes_take_vllms_request_bodies(document):
         {"$ref": "#/components/schemas/ChatCompletionRequest"}
 
 
+def declared_statuses() -> dict[tuple[str, str], set[int]]:
+    """What each route of the surfaces declares besides 200, read off the routes themselves."""
+    return {(method, route.path): {int(s) for s in route.responses} - {200}
+            for router in (*openai.ROUTERS, *scalarlm.ROUTERS, *tinker.ROUTERS)
+            for route in router.routes if route.path not in QUEUED_ROUTES for method in route.methods}
+
+
 def test_every_other_route_lists_the_statuses_it_answers(document):
     ops = operations(document)
     own = {key: op for key, op in ops.items() if key[1] not in QUEUED_ROUTES}
-    # A route added without its entry in ROUTES (or an entry left behind) fails here.
-    assert set(own) == set(ROUTES)
+    declared = declared_statuses()
+    assert set(own) == set(declared) | {("GET", "/metrics")}
     for key, operation in own.items():
         statuses = {int(s) for s in operation["responses"]}
-        assert statuses == {200, 413, *ROUTES[key]}, key
+        assert statuses == {200, 413, *declared.get(key, ())}, key
+        assert all(answer["content"] for answer in operation["responses"].values()), key
+    assert {int(s) for s in ops["POST", "/v1/generate"]["responses"]} == {
+        200, 400, 404, 413, 422, 429, 503}
+    # A declared media type replaces FastAPI's JSON: a stream of lines, Prometheus text.
+    assert list(ops["GET", "/v1/megatron/events"]["responses"]["200"]["content"]) == ["text/event-stream"]
+    assert list(ops["GET", "/metrics"]["responses"]["200"]["content"]) == ["text/plain"]
     # The bodies the routes read themselves are described too.
     train = ops["POST", "/v1/megatron/train"]["requestBody"]["content"]["multipart/form-data"]["schema"]
     assert train["required"] == ["file"]
@@ -81,10 +97,13 @@ def test_every_other_route_lists_the_statuses_it_answers(document):
     assert {p["name"] for p in chunk["parameters"]} == {"X-Upload-Id", "X-Chunk-Index", "X-Chunk-Hash"}
 
 
-def test_every_route_needs_a_scope(document):
-    # A route added without its API-key scope (route_scopes.py), or an entry left behind, fails here.
-    assert set(operations(document)) == set(ROUTE_SCOPES)
-    assert set(ROUTE_SCOPES.values()) <= {*SCOPES, OPEN, ANY_KEY}
+def test_every_route_declares_a_scope(document):
+    # A route added without **declare(scope, ...) fails here.
+    scopes = {key: operation.get(SCOPE) for key, operation in operations(document).items()}
+    assert set(scopes.values()) <= {*SCOPES, OPEN, ANY_KEY}, {k: s for k, s in scopes.items() if s is None}
+    assert scopes["GET", "/v1/health/keepalive"] == scopes["GET", "/metrics"] == OPEN
+    assert scopes["POST", "/v1/chat/completions"] == "inference"
+    assert scopes["POST", "/v1/megatron/delete/{job}"] == "admin"
 
 
 def test_errors_are_documented_in_the_shape_they_are_answered_in(document, nats_proc):
@@ -112,7 +131,7 @@ def test_errors_are_documented_in_the_shape_they_are_answered_in(document, nats_
 def test_with_api_keys_every_keyed_route_lists_401_403_and_429(nats_proc, tmp_path):
     document = served_document(nats_proc.info["url"], tmp_path, LOOPLINE_API_KEYS="a-key")
     for (method, path), operation in operations(document).items():
-        need = ROUTE_SCOPES[method, path]
+        need = operation[SCOPE]
         responses = operation["responses"]
         assert ("401" in responses) == ("429" in responses) == (need != OPEN), (method, path)
         assert ("403" in responses) == (need in SCOPES), (method, path)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 
 from loopline.common.schemas import ResultItem
-from loopline.gateway.scalarlm_api import result_entry
-from loopline.gateway.submit import request_id
+from loopline.gateway.core.submit import request_id
+from loopline.gateway.scalarlm.generate_api import result_entry
 from loopline.inference.vllm_answers import VersionStamp
 
 JOB = "ab" * 32

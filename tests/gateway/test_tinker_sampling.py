@@ -1,4 +1,4 @@
-"""Tinker sampling through vLLM (loopline.gateway.tinker_sampling): the completion request a
+"""Tinker sampling through vLLM (loopline.gateway.tinker.sampling): the completion request a
 SampleRequest becomes, and vLLM's answer as the SampleResponse the SDK decodes. The answers are vLLM
 0.32's real ones on the tiny model (fixtures/capture_vllm_completions.py records them)."""
 
@@ -14,7 +14,7 @@ from tinker import types as tt
 from tinker.lib.public_interfaces.sampling_client import _check_prompt_logprobs_last_n_honored
 from tinker.proto.response_conv import deserialize_sample_response
 
-from loopline.gateway.tinker_sampling import TinkerUserError, completion_body, sample_response
+from loopline.gateway.tinker.sampling import TinkerUserError, completion_body, sample_response
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = sorted(p.stem.removeprefix("vllm_") for p in FIXTURES.glob("vllm_*.json"))

@@ -26,8 +26,8 @@ from loopline.common import adapter_format, bus, subjects
 from loopline.common.job_layout import CHECKPOINTS_DIR, CONFIG_FILE, DATASET_FILE, checkpoint_name
 from loopline.common.job_schemas import AdapterEvent
 from loopline.common.schemas import ResultItem, WorkItem
-from loopline.gateway.submit import request_id
-from loopline.gateway.work import WorkPublisher
+from loopline.gateway.core.submit import request_id
+from loopline.gateway.core.work import WorkPublisher
 from loopline.inference.adapters import AdapterManager
 from loopline.inference.vllm_args import serve_flags
 from loopline.inference.vllm_server import VllmServer

@@ -15,8 +15,8 @@ import pytest_asyncio
 
 from loopline.common import bus, subjects
 from loopline.common.schemas import ResultItem, WorkItem
-from loopline.gateway.submit import request_id
-from loopline.gateway.work import WorkPublisher
+from loopline.gateway.core.submit import request_id
+from loopline.gateway.core.work import WorkPublisher
 from loopline.inference.vllm_args import serve_flags
 from loopline.inference.vllm_server import VllmServer
 from loopline.inference.worker import Worker

@@ -31,7 +31,7 @@ FILE = typer.Option(..., "--file", envvar="LOOPLINE_API_KEYS_FILE",
 
 
 class Scope(str, enum.Enum):
-    # loopline.gateway.route_scopes.SCOPES
+    # loopline.gateway.auth.scopes.SCOPES
     inference = "inference"
     training = "training"
     admin = "admin"
@@ -43,7 +43,7 @@ def _store():
         raise CliError("the Loopline gateway is not installed in this environment",
                        "run `loopline keys` where the gateway runs (or in a Loopline checkout's .venv)",
                        EXIT_FAILED)
-    from loopline.gateway import key_store
+    from loopline.gateway.auth import key_store
     return key_store
 
 

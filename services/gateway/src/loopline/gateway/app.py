@@ -11,26 +11,16 @@ from opentelemetry import trace
 
 from loopline.common.settings import GatewaySettings
 from loopline.common.telemetry import tracer
-from loopline.gateway import (
-    errors,
-    health_api,
-    openai_api,
-    openapi_docs,
-    scalarlm_api,
-    tinker_api,
-    tinker_events_api,
-    tinker_rest_api,
-    tinker_sampling_api,
-    train_api,
-    train_streams_api,
-    upload_api,
-)
-from loopline.gateway.api_keys import ApiKeys
-from loopline.gateway.body_limit import BodyLimit
+from loopline.gateway.auth.api_keys import ApiKeys
+from loopline.gateway.auth.key_limits import KeyLimits
+from loopline.gateway.auth.key_store import KeyStore
+from loopline.gateway.core import errors, openapi_docs
+from loopline.gateway.core.body_limit import BodyLimit
 from loopline.gateway.gateway import Gateway
-from loopline.gateway.key_limits import KeyLimits
-from loopline.gateway.key_store import KeyStore
-from loopline.gateway.upload_chunks import ChunkStaging
+from loopline.gateway.openai import routers as openai
+from loopline.gateway.scalarlm import routers as scalarlm
+from loopline.gateway.scalarlm.upload_chunks import ChunkStaging
+from loopline.gateway.tinker import routers as tinker
 
 _tracer = tracer("loopline.gateway")
 log = logging.getLogger(__name__)
@@ -57,17 +47,8 @@ def create_app(settings: GatewaySettings, gateway: Gateway) -> FastAPI:
     app.state.upload_staging = ChunkStaging(settings.state_dir / "uploads", settings.upload_ttl_s)
     errors.install(app)
 
-    app.include_router(openai_api.router)
-    app.include_router(scalarlm_api.router)
-    app.include_router(health_api.router)
-    # Streams first: /train/logs/{job} must win where it overlaps /train/{job}/events ("logs/events").
-    app.include_router(train_streams_api.router)
-    app.include_router(train_api.router)
-    app.include_router(upload_api.router)
-    app.include_router(tinker_api.router)
-    app.include_router(tinker_sampling_api.router)
-    app.include_router(tinker_rest_api.router)
-    app.include_router(tinker_events_api.router)
+    for router in (*openai.ROUTERS, *scalarlm.ROUTERS, *tinker.ROUTERS):
+        app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                        max_upload_bytes=settings.max_upload_bytes)
     keyed = bool(settings.api_key_set) or settings.api_keys_file is not None

@@ -14,15 +14,15 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from loopline.common.settings import GatewaySettings
-from loopline.gateway.adapters import AdapterRegistry
-from loopline.gateway.admission import Admission
-from loopline.gateway.answers import Answers
-from loopline.gateway.model_directory import ModelDirectory
-from loopline.gateway.results import Results
-from loopline.gateway.service_calls import ServiceCalls
-from loopline.gateway.tinker_part import TinkerPart
-from loopline.gateway.trainer_client import TrainerClient
-from loopline.gateway.work import WorkPublisher
+from loopline.gateway.core.adapters import AdapterRegistry
+from loopline.gateway.core.admission import Admission
+from loopline.gateway.core.answers import Answers
+from loopline.gateway.core.model_directory import ModelDirectory
+from loopline.gateway.core.results import Results
+from loopline.gateway.core.service_calls import ServiceCalls
+from loopline.gateway.core.trainer_client import TrainerClient
+from loopline.gateway.core.work import WorkPublisher
+from loopline.gateway.tinker.part import TinkerPart
 
 
 class Gateway:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from loopline.common import subjects
 from loopline.common.runtime import Runtime
 from loopline.common.settings import GatewaySettings
-from loopline.gateway import http_metrics
 from loopline.gateway.app import create_app
+from loopline.gateway.core import http_metrics
 from loopline.gateway.gateway import Gateway
 from loopline.gateway.http_server import HttpServer
 

@@ -1,0 +1,109 @@
+"""From an uploaded training archive to a submitted job; shared by /v1/megatron/train and the chunked
+upload's finalize, so both behave the same.
+
+The order matters: params validated first (a bad one is a 422 naming the field, before the archive is
+read or anything stored), hash next (from the canonical params and the uncompressed content, so re-packing the
+same data finds the same job), ask whether the trainer knows the job (then nothing is stored or
+submitted again), store the dataset under its content hash, and only then submit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import IO, Any
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from loopline.common import training_archive as archives
+from loopline.common.job_hash import job_hash as hash_job
+from loopline.common.job_schemas import JobInfo, JobSubmit
+from loopline.common.settings import GatewaySettings
+from loopline.common.train_params import TrainParams, canonical
+from loopline.gateway.auth.api_keys import api_key_of
+from loopline.gateway.core.errors import ApiError
+from loopline.gateway.core.trainer_client import TrainerClient
+from loopline.gateway.gateway import gateway_of
+from loopline.gateway.scalarlm.train_models import TrainResponse, train_response
+
+log = logging.getLogger(__name__)
+
+_STATUS_OF = {archives.BadArchive: 400, archives.UnsafeArchive: 400, archives.ArchiveTooLarge: 413,
+              archives.InvalidDataset: 422}
+
+
+def trainer_of(request: Request) -> TrainerClient:
+    return gateway_of(request).trainer
+
+
+def respond(request: Request, info: JobInfo) -> TrainResponse:
+    # Deployed once an inference replica serves the job hash as a model (MODELS bucket).
+    # Deployed: some inference replica has loaded a checkpoint of the job (gateway/adapters.py).
+    return train_response(info, deployed=gateway_of(request).adapters.deployed(info.job_hash))
+
+
+def parse_params(raw: str | bytes | None) -> TrainParams:
+    """The multipart ``params`` part (JSON train_args), validated."""
+    if raw is None or raw == "" or raw == b"":
+        return TrainParams()
+    try:
+        params = json.loads(raw)
+    except ValueError as exc:
+        raise ApiError(400, f"params is not valid JSON: {exc}", param="params") from exc
+    if not isinstance(params, dict):
+        raise ApiError(422, f"params must be a JSON object of train_args, not {type(params).__name__}",
+                       param="params")
+    return validate_params(params)
+
+
+def validate_params(params: dict[str, Any]) -> TrainParams:
+    """422 naming the first bad field (``params.lora_config.r``), as FastAPI words a bad body."""
+    try:
+        return TrainParams.model_validate(params)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(["params", *(str(part) for part in first["loc"])])
+        raise ApiError(422, f"{where}: {first['msg']}", param=where) from exc
+
+
+def read_archive(source: Path | IO[bytes], settings: GatewaySettings) -> archives.TrainingArchive:
+    try:
+        return archives.read_training_archive(source, settings.max_dataset_bytes,
+                                              settings.max_archive_members)
+    except archives.ArchiveError as exc:
+        raise ApiError(_STATUS_OF.get(type(exc), 400), str(exc), param="file") from exc
+
+
+async def submit_archive(request: Request, source: Path | IO[bytes], params: TrainParams) -> TrainResponse:
+    settings: GatewaySettings = request.app.state.settings
+    trainer = trainer_of(request)
+    key = api_key_of(request)
+    # ScalarLM fills llm_name with the served model; it is part of the job, so before hashing.
+    if not params.llm_name:
+        params = params.model_copy(update={"llm_name": settings.model})
+    archive = await asyncio.to_thread(read_archive, source, settings)
+    with archive:
+        try:
+            # Over the canonical params (what the client set, validated: see train_params.canonical),
+            # so {"seed": null} and {}, or "LoRA" and "lora", are one job.
+            job_hash = hash_job(canonical(params), archive.dataset_sha256, archive.code_sha256)
+        except ValueError as exc:  # NaN or infinity in an unknown key: not JSON, cannot be hashed
+            raise ApiError(422, f"params cannot be hashed: {exc}", param="params") from exc
+        known = await trainer.find(job_hash)
+        if known is not None:
+            return respond(request, known)
+        stored = await trainer.store_dataset(archive.dataset_sha256, archive.dataset)
+        if archive.code is not None:
+            assert archive.code_sha256 is not None  # read_training_archive sets both
+            await trainer.store_dataset(archive.code_sha256, archive.code)
+        log.info("job %s: %d examples, dataset %s (%s)", job_hash, archive.examples,
+                 archive.dataset_sha256[:12], "stored" if stored else "already stored")
+        info = await trainer.submit(JobSubmit(
+            job_hash=job_hash, params=params, dataset_sha256=archive.dataset_sha256,
+            dataset_bytes=archive.dataset_bytes, examples=archive.examples,
+            code_sha256=archive.code_sha256, owner=key.name if key is not None else None,
+        ))
+    return respond(request, info)

@@ -1,0 +1,10 @@
+"""Statuses the Tinker routes share (their declarations: core/route_spec.py). The 400s name the field;
+the SDK fails fast on a 4xx other than 408/409/429 and retries those and 5xx."""
+
+from __future__ import annotations
+
+BODY = "the body is not the SDK's request (the message names the field), or not JSON"
+MODEL = "no such training client (model_id)"
+CALL = {400: BODY, 404: MODEL, 429: "the Tinker call queue is full: retry later",
+        503: "the message bus did not take the call: retry"}
+SESSION = {410: "no such session (the SDK stops its heartbeat)"}
