@@ -8,7 +8,7 @@ install:
 	@scripts/install.sh
 
 up: install
-	@$(PY) -m loopline.common.up
+	@$(PY) -m loopline.common.local.up
 
 # Real Slurm daemons for the training tests (Debian packages; needs root or sudo). Where that cannot
 # work (a laptop), the Slurm tests skip unless LOOPLINE_REQUIRE_SLURM=1, which .ci/run sets.
@@ -39,4 +39,4 @@ clean:
 # The README's configuration table, from the settings classes' field descriptions
 # (tests/common/test_readme.py fails when it is out of date).
 docs:
-	@$(PY) -m loopline.common.settings_doc --write
+	@$(PY) -m loopline.common.config.settings_doc --write

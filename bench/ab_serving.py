@@ -97,7 +97,7 @@ def main() -> int:
     args = parser.parse_args()
     envs = {"A": parse_env(args.a_env), "B": parse_env(args.b_env)}
 
-    from loopline.common.stack import LocalStack
+    from loopline.common.local.stack import LocalStack
     from loopline.ml.models.resolve import resolve_model
 
     dirs, stacks = [], {}

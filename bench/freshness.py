@@ -57,8 +57,9 @@ def percentile(values: list[float], q: float) -> float:
 async def run(stack, model: str, count: int, pollers: int) -> list[dict]:
     import httpx
 
-    from loopline.common import bus, subjects
-    from loopline.common.job_schemas import AdapterEvent, CheckpointAnnounce
+    from loopline.common.contracts import subjects
+    from loopline.common.contracts.job_schemas import AdapterEvent, CheckpointAnnounce
+    from loopline.common.runtime import bus
     from support.forced_adapters import ForcedAdapters, write_checkpoint, write_job_config
 
     forge = ForcedAdapters(model)
@@ -186,7 +187,7 @@ def main() -> int:
     parser.add_argument("--state-dir", type=Path, default=None)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from loopline.common.stack import LocalStack
+    from loopline.common.local.stack import LocalStack
     from loopline.ml.models.resolve import resolve_model
 
     models_dir = REPO / ".loopline" / "models"

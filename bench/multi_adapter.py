@@ -104,8 +104,8 @@ def main() -> int:
     parser.add_argument("--state-dir", type=Path, default=None)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from loopline.common.settings import InferenceSettings
-    from loopline.common.stack import LocalStack
+    from loopline.common.config.settings import InferenceSettings
+    from loopline.common.local.stack import LocalStack
     from loopline.ml.models.resolve import resolve_model
 
     settings = InferenceSettings()

@@ -97,7 +97,7 @@ async def measure(a: HttpPath, b: PlatformPath, tap: Tap, roles: dict, prompts: 
             await path.one(text, stream=True)
         await path.burst(warmup)
         await path.batch(warmup)
-    # As every service does once it is up (loopline/common/runtime.py): this process's long-lived
+    # As every service does once it is up (loopline/common/runtime/service.py): this process's long-lived
     # heap out of the collector's way, so the client does not pause for it mid-burst.
     gc.collect()
     gc.freeze()
@@ -299,7 +299,7 @@ async def run_both(vllm_url: str, stack, args, keep_alive_s: float, prompts: lis
 
 def stack_settings(env: dict[str, str]):
     """The replica's and the gateway's settings as they will read them from ``env``."""
-    from loopline.common.settings import GatewaySettings, InferenceSettings
+    from loopline.common.config.settings import GatewaySettings, InferenceSettings
 
     saved = dict(os.environ)
     os.environ.update(env)
@@ -330,7 +330,7 @@ def main() -> int:
     args = parser.parse_args()
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from loopline.common.stack import LocalStack
+    from loopline.common.local.stack import LocalStack
     from loopline.inference.service import flags_of, prepare_model_folder
     from support.vllm_serve import serve_env, vllm_serve
 

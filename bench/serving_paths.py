@@ -212,7 +212,7 @@ class Tap:
         self.nc = await nats.connect(self.nats_url, name="bench-tap")
 
     async def watch(self) -> None:
-        from loopline.common import subjects
+        from loopline.common.contracts import subjects
 
         async def on_work(msg) -> None:
             item = json.loads(msg.data)
@@ -236,7 +236,7 @@ class Tap:
 
     async def ledger_caught_up(self, timeout_s: float = 10.0) -> bool:
         """Both ledger consumers have nothing pending or unacked (or ``timeout_s`` passed)."""
-        from loopline.common import subjects
+        from loopline.common.contracts import subjects
 
         js = self.nc.jetstream()
         deadline = time.monotonic() + timeout_s

@@ -74,7 +74,7 @@ def main() -> int:
     args = parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TINKER_TELEMETRY", "0")
-    from loopline.common.stack import LocalStack
+    from loopline.common.local.stack import LocalStack
     from loopline.ml.models.resolve import resolve_model
 
     config = SoakConfig(

@@ -68,7 +68,7 @@ QUICK = {"steps": 2, "warmup": 1, "batch": 2, "seq_len": 64, "requests": 16, "co
 def in_process(path: str, rows, steps: int, warmup: int) -> dict:
     import numpy as np
 
-    from loopline.common.tinker_schemas import LoraSpec
+    from loopline.common.contracts.tinker_schemas import LoraSpec
     from loopline.ml.tinker.training import TrainingClients
     from loopline.ml.tinker.types import AdamParams, Datum
 
@@ -209,7 +209,7 @@ async def sampling(service, stack, base: str, prompts: list[list[int]], args) ->
 async def save_to_sample(service, stack, base: str, vocab: int, rounds: int) -> list[dict]:
     from tinker import types as tt
 
-    from loopline.common.tinker_names import sampler_hash
+    from loopline.common.contracts.tinker_names import sampler_hash
 
     client = await service.create_lora_training_client(base_model=base, rank=RANK, seed=SEED)
     data = sdk_data(token_rows(vocab, 4, 32, SEED))

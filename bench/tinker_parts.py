@@ -149,7 +149,7 @@ def with_stack(state_dir: Path, model: str, work, models_dir: Path) -> dict:
     """Start a stack serving ``model``, run ``work(service, stack)`` (a coroutine function), stop."""
     import tinker
 
-    from loopline.common.stack import LocalStack
+    from loopline.common.local.stack import LocalStack
 
     stack = LocalStack(state_dir, model, replicas=1, env=STACK_ENV, models_dir=models_dir)
     print(f"  starting LocalStack ({Path(model).name}) in {state_dir}", flush=True)

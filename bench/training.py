@@ -253,8 +253,8 @@ def run_baseline(s: Setup, repeat: int) -> Run:
 
 def run_ours(s: Setup, repeat: int, adapter_type: str, scratch: Path) -> Run:
     """The training program's own loop: ``run_job`` on a job directory, timed from its events."""
-    from loopline.common.job_layout import DATASET_FILE, EVENTS_FILE
-    from loopline.common.train_params import JobConfig
+    from loopline.common.contracts.job_layout import DATASET_FILE, EVENTS_FILE
+    from loopline.common.contracts.train_params import JobConfig
     from loopline.ml.train.loop import run_job
     from loopline.ml.train.status import JobReporter
 
@@ -329,7 +329,7 @@ def profile_steps(s: Setup, top: int = 12) -> dict:
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from loopline.common.train_params import TrainParams
+    from loopline.common.contracts.train_params import TrainParams
     from loopline.ml.adapters import io as adapter_io
     from loopline.ml.train.data import IGNORE, collate, tokenize
     from loopline.ml.train.loop import train_step
@@ -530,7 +530,7 @@ def main() -> int:
     import torch
     import transformers
 
-    from loopline.common.train_params import LoraParams
+    from loopline.common.contracts.train_params import LoraParams
     from loopline.ml.models.resolve import resolve_model
     from loopline.ml.train.data import tokenize
 

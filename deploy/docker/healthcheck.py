@@ -26,7 +26,7 @@ import sys
 
 import nats
 
-from loopline.common import subjects
+from loopline.common.contracts import subjects
 
 SERVICES = {
     "queue": subjects.QUEUE_SERVICE,

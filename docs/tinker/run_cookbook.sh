@@ -27,7 +27,7 @@ model=$(realpath "$(.venv/bin/python -m loopline.ml.models HuggingFaceTB/SmolLM2
 # LOOPLINE_MAX_ADAPTER_RANK=32, the recipes' rank: vLLM pads every adapter to this rank, and on CPU
 # its LoRA kernels gather each token's padded matrices, so sampling time grows with it (at 64, the
 # default, one iteration's 32 samples took 80 s, 57 s of it prefilling 1,084 prompt tokens).
-free_port() { .venv/bin/python -c 'from loopline.common.launcher import free_port; print(free_port())'; }
+free_port() { .venv/bin/python -c 'from loopline.common.local.launcher import free_port; print(free_port())'; }
 port=$(free_port)
 url=http://127.0.0.1:$port
 LOOPLINE_STATE_DIR=$work/state LOOPLINE_MODEL=$model LOOPLINE_LAUNCHER=local LOOPLINE_MAX_ADAPTER_RANK=32 \

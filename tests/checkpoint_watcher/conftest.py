@@ -16,10 +16,12 @@ from pathlib import Path
 import nats.errors
 import pytest
 
-from loopline.common import bus, launcher, subjects
-from loopline.common.job_layout import CHECKPOINTS_DIR, checkpoint_name, checkpoint_temp_prefix
-from loopline.common.job_schemas import AdapterEvent, CheckpointAnnounce
-from loopline.common.train_params import TOKENFORMER_TARGET_MODULES, JobConfig, TrainParams
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_layout import CHECKPOINTS_DIR, checkpoint_name, checkpoint_temp_prefix
+from loopline.common.contracts.job_schemas import AdapterEvent, CheckpointAnnounce
+from loopline.common.contracts.train_params import TOKENFORMER_TARGET_MODULES, JobConfig, TrainParams
+from loopline.common.local import launcher
+from loopline.common.runtime import bus
 from loopline.trainer import jobdir
 from support.stacks import tiny_model
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import hashlib
 
-from loopline.common import subjects
-from loopline.common.adapter_format import WEIGHTS_FILE
+from loopline.common.contracts import subjects
+from loopline.common.contracts.adapter_format import WEIGHTS_FILE
 from support.scrape import metrics_url, scrape, value
 
 JOB = hashlib.sha256(b"metrics").hexdigest()

@@ -15,7 +15,8 @@ import uuid
 
 from loopline.checkpoint_watcher.cursor import Cursors
 from loopline.checkpoint_watcher.watcher import CheckpointWatcher
-from loopline.common import adapter_retire, bus, subjects
+from loopline.common.contracts import subjects
+from loopline.common.runtime import adapter_retire, bus
 from loopline.trainer import jobdir
 
 ROUNDS = 30

@@ -16,10 +16,11 @@ import time
 import pytest
 from nats.js.errors import NotFoundError
 
-from loopline.common import launcher, subjects
-from loopline.common.adapter_format import CONFIG_FILE, WEIGHTS_FILE
-from loopline.common.job_layout import STATUS_FILE
-from loopline.common.job_schemas import CheckpointAnnounce
+from loopline.common.contracts import subjects
+from loopline.common.contracts.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from loopline.common.contracts.job_layout import STATUS_FILE
+from loopline.common.contracts.job_schemas import CheckpointAnnounce
+from loopline.common.local import launcher
 
 MODEL = "tiny"
 

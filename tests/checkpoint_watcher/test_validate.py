@@ -11,8 +11,8 @@ import pytest
 
 from loopline.checkpoint_watcher import pack, validate, watch
 from loopline.checkpoint_watcher.validate import Rejected
-from loopline.common.adapter_format import CONFIG_FILE, WEIGHTS_FILE
-from loopline.common.job_layout import (
+from loopline.common.contracts.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from loopline.common.contracts.job_layout import (
     CHECKPOINTS_DIR,
     STATUS_FILE,
     TRAINING_STATE_FILE,

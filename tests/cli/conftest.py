@@ -19,8 +19,9 @@ import pytest
 from typer.testing import CliRunner
 
 from loopline.cli.main import app as cli_app
-from loopline.common import launcher, subjects
-from loopline.common.job_schemas import JobEvent, JobInfo, LogLines, LogsRequest
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_schemas import JobEvent, JobInfo, LogLines, LogsRequest
+from loopline.common.local import launcher
 from support.bus_view import BusView
 from support.gateway_process import BASE_MODEL, start_gateway
 from support.nats import nats_server

@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from loopline.cli.client import SseMessage, parse_sse
-from loopline.common.job_hash import job_hash as hash_job
-from loopline.common.job_layout import CHECKPOINTS_DIR, DATASET_FILE, EVENTS_FILE, checkpoint_name
-from loopline.common.train_params import JobConfig, canonical
+from loopline.common.contracts.job_hash import job_hash as hash_job
+from loopline.common.contracts.job_layout import CHECKPOINTS_DIR, DATASET_FILE, EVENTS_FILE, checkpoint_name
+from loopline.common.contracts.train_params import JobConfig, canonical
 from support.gateway_process import BASE_MODEL
 
 ROWS = '{"input": "What is 2+2?", "output": "4"}\n{"input": "Capital of France?", "output": "Paris"}\n'

@@ -13,8 +13,8 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from loopline.common import launcher
-from loopline.common.tinker_schemas import SessionEvent
+from loopline.common.contracts.tinker_schemas import SessionEvent
+from loopline.common.local import launcher
 from support import tinker_records as records
 from support.gateway_process import start_gateway
 from support.tinker_records import TinkerBus

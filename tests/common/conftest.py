@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from loopline.common import bus
-from loopline.common.schemas import ServiceStatus
+from loopline.common.contracts.schemas import ServiceStatus
+from loopline.common.runtime import bus
 from support.runtime_probe import SERVICE, STATUS_SUBJECT
 
 TESTS = Path(__file__).resolve().parents[1]

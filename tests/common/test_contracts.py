@@ -18,12 +18,12 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from loopline.common import adapter_format, job_layout
+from loopline.common.contracts import adapter_format, job_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_TREES = ("libs", "services", "ml", "cli", "bench", "deploy", "tests")
 CONTRACT_MODULES = ("job_layout", "adapter_format", "job_hash", "train_params", "model_folders")
-DEFINING = {ROOT / "libs/common/src/loopline/common" / f"{name}.py" for name in CONTRACT_MODULES}
+DEFINING = {ROOT / "libs/common/src/loopline/common/contracts" / f"{name}.py" for name in CONTRACT_MODULES}
 # This file spells the literals on purpose: what it looks for, and a sample to find them in.
 NOT_SCANNED = DEFINING | {Path(__file__).resolve()}
 
@@ -140,7 +140,7 @@ FORBIDDEN = ("nats", "sqlalchemy", "alembic", "psycopg", "opentelemetry", "pydan
 def test_contract_modules_import_without_service_or_ml_dependencies():
     """A fresh interpreter: what the training program inside a Slurm job (and the torch-free
     watcher) pulls in by importing the contracts."""
-    modules = [f"loopline.common.{name}" for name in CONTRACT_MODULES] + ["loopline.common.job_schemas"]
+    modules = [f"loopline.common.contracts.{name}" for name in (*CONTRACT_MODULES, "job_schemas")]
     probe = (f"import importlib, json, sys\n"
              f"for m in {modules!r}: importlib.import_module(m)\n"
              f"print(json.dumps(sorted(sys.modules)))\n")

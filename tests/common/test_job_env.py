@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from loopline.common.job_env import allowed, job_environment, job_user, strip_url_credentials
+from loopline.common.contracts.job_env import allowed, job_environment, job_user, strip_url_credentials
 
 TRAINER_ENV = {
     "PATH": "/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",

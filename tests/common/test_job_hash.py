@@ -1,4 +1,4 @@
-"""The job hash (loopline.common.job_hash): its format, and what it is computed over."""
+"""The job hash (loopline.common.contracts.job_hash): its format, and what it is computed over."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import hashlib
 import pytest
 from pydantic import ValidationError
 
-from loopline.common.job_hash import canonical_json, is_job_hash, job_hash
-from loopline.common.job_schemas import JobSubmit
-from loopline.common.train_params import TrainParams, canonical
+from loopline.common.contracts.job_hash import canonical_json, is_job_hash, job_hash
+from loopline.common.contracts.job_schemas import JobSubmit
+from loopline.common.contracts.train_params import TrainParams, canonical
 
 
 def test_canonical_json_ignores_key_order():

@@ -10,7 +10,7 @@ import socket
 
 import httpx
 
-from loopline.common import launcher
+from loopline.common.local import launcher
 from support.scrape import scrape, value
 
 

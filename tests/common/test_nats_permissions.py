@@ -15,9 +15,11 @@ import nats
 import pytest
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
-from loopline.common import bus, launcher, nats_auth, nats_permissions as roles, subjects
-from loopline.common.schemas import WorkItem
-from loopline.common.stack import LocalStack
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import WorkItem
+from loopline.common.local import launcher
+from loopline.common.local.stack import LocalStack
+from loopline.common.runtime import bus, nats_auth, nats_permissions as roles
 
 DEPLOYMENT = subjects.deployment_key("tiny")
 REFUSED = (NatsTimeoutError, TimeoutError, NoRespondersError)

@@ -1,5 +1,5 @@
 """The README says what the code does: its configuration table is the settings classes' own (generated
-by loopline.common.settings_doc), its subjects table names exactly the streams, buckets and object
+by loopline.common.config.settings_doc), its subjects table names exactly the streams, buckets and object
 stores of subjects.py with the subjects its functions build, and the docs name no file that is not in
 the repository."""
 
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from pydantic_settings import BaseSettings
 
-from loopline.common import settings, settings_doc, subjects
+from loopline.common.config import settings, settings_doc
+from loopline.common.contracts import subjects
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -41,7 +42,7 @@ def test_configuration_table_is_generated_from_the_settings():
         diff = "\n".join(difflib.unified_diff(readme.splitlines(), expected.splitlines(),
                                               "README.md", "generated", lineterm="", n=0))
         pytest.fail("README.md's configuration table differs from the settings classes; regenerate it "
-                    f"with `make docs` (python -m loopline.common.settings_doc --write):\n{diff}")
+                    f"with `make docs` (python -m loopline.common.config.settings_doc --write):\n{diff}")
 
 
 def test_every_settings_class_is_in_the_table_and_every_field_described():
@@ -50,7 +51,7 @@ def test_every_settings_class_is_in_the_table_and_every_field_described():
                and obj.__module__ == settings.__name__}
     # CommonSettings is no service: its fields reach the table through every class that inherits them.
     assert classes - {settings.CommonSettings} == set(settings_doc.SERVICES.values()), \
-        "a settings class is missing from loopline.common.settings_doc.SERVICES"
+        "a settings class is missing from loopline.common.config.settings_doc.SERVICES"
     for cls in classes:
         undocumented = [name for name, field in cls.model_fields.items() if not field.description]
         assert not undocumented, f"{cls.__name__}: give {undocumented} a Field(description=...)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from loopline.common.schemas import (
+from loopline.common.contracts.schemas import (
     COMPRESS_ABOVE,
     ResultItem,
     parse_stream_event,

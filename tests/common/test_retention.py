@@ -10,8 +10,9 @@ import pytest
 from nats.js.errors import NotFoundError
 from nats.js.object_store import OBJ_STREAM_TEMPLATE
 
-from loopline.common import bus, subjects
-from loopline.common.settings import CommonSettings
+from loopline.common.config.settings import CommonSettings
+from loopline.common.contracts import subjects
+from loopline.common.runtime import bus
 from support.nats import nats_server
 
 SHORT_S = 3.0

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from loopline.common.settings import GatewaySettings, InferenceSettings, QueueSettings
+from loopline.common.config.settings import GatewaySettings, InferenceSettings, QueueSettings
 
 
 def test_settings_read_loopline_variables(monkeypatch, tmp_path):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from loopline.common.stack import Deployment, LocalStack, model_key, plan_deployments
+from loopline.common.local.stack import Deployment, LocalStack, model_key, plan_deployments
 
 
 def test_model_keys():
@@ -77,7 +77,7 @@ def test_each_replica_gets_one_model_the_gateway_the_first(tmp_path):
 def test_up_refuses_a_bad_deployment_plan_before_starting_anything(tmp_path):
     env = {**os.environ, "LOOPLINE_MODEL": "tiny,tiny-embed", "LOOPLINE_STATE_DIR": str(tmp_path),
            "LOOPLINE_ADAPTERS__TINY_EMBD": "false"}
-    out = subprocess.run([sys.executable, "-m", "loopline.common.up"], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "loopline.common.local.up"], env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2
     assert "LOOPLINE_ADAPTERS__TINY_EMBD is for the model key 'TINY_EMBD'" in out.stderr

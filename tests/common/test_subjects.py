@@ -1,4 +1,4 @@
-from loopline.common import subjects
+from loopline.common.contracts import subjects
 
 
 def test_deployment_keys_are_subject_safe_and_distinct():

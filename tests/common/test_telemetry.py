@@ -7,7 +7,8 @@ import asyncio
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from loopline.common import bus, subjects, telemetry
+from loopline.common.contracts import subjects
+from loopline.common.runtime import bus, telemetry
 
 
 async def test_trace_context_travels_in_nats_headers(nats_url):

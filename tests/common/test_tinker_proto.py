@@ -1,4 +1,4 @@
-"""The tinker protobuf conversions (loopline.common.tinker_proto), checked against the SDK itself:
+"""The tinker protobuf conversions (loopline.common.contracts.tinker_proto), checked against the SDK itself:
 requests are encoded by the SDK's ``request_conv`` (as ``AsyncTrainingResource.forward_backward``
 does), and our results are decoded by its ``response_conv``."""
 
@@ -15,7 +15,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
 
-from loopline.common.tinker_proto import (
+from loopline.common.contracts.tinker_proto import (
     SampledSeq,
     TargetLogprobs,
     decode_forward_backward,

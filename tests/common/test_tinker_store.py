@@ -4,9 +4,10 @@ run's checkpoints only."""
 
 from __future__ import annotations
 
-from loopline.common import bus, subjects, tinker_names
-from loopline.common.tinker_schemas import TinkerCheckpoint, TinkerWorker
-from loopline.common.tinker_store import TinkerStore
+from loopline.common.contracts import subjects, tinker_names
+from loopline.common.contracts.tinker_schemas import TinkerCheckpoint, TinkerWorker
+from loopline.common.runtime import bus
+from loopline.common.runtime.tinker_store import TinkerStore
 
 
 async def test_listing_leaves_no_consumers_and_filters_by_run(nats_url):

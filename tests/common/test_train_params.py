@@ -1,13 +1,18 @@
-"""The training params (loopline.common.train_params): one model for the gateway, the trainer and the
-training program, and the canonical form they travel in."""
+"""The training params (loopline.common.contracts.train_params): one model for the gateway, the trainer
+and the training program, and the canonical form they travel in."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from loopline.common.job_schemas import JobInfo, JobStatus
-from loopline.common.train_params import TOKENFORMER_TARGET_MODULES, JobConfig, TrainParams, canonical
+from loopline.common.contracts.job_schemas import JobInfo, JobStatus
+from loopline.common.contracts.train_params import (
+    TOKENFORMER_TARGET_MODULES,
+    JobConfig,
+    TrainParams,
+    canonical,
+)
 
 
 def test_defaults_nulls_and_unknown_keys():

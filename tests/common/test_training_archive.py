@@ -1,4 +1,4 @@
-"""Training-archive reading (loopline.common.training_archive): pure functions, no services."""
+"""Training-archive reading (loopline.common.contracts.training_archive): pure functions, no services."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import tarfile
 
 import pytest
 
-from loopline.common import training_archive as archives
-from loopline.common.job_hash import job_hash
-from loopline.common.job_layout import DATASET_FILE
+from loopline.common.contracts import training_archive as archives
+from loopline.common.contracts.job_hash import job_hash
+from loopline.common.contracts.job_layout import DATASET_FILE
 
 EXAMPLES = [{"input": "What is i + i?", "output": "The answer is 2i."}, {"input": "1+1", "output": "2"}]
 DATASET = "".join(json.dumps(e) + "\n" for e in EXAMPLES).encode()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 
-from loopline.common.launcher import free_port
-from loopline.common.up import stack_defaults
+from loopline.common.local.launcher import free_port
+from loopline.common.local.up import stack_defaults
 from support.stacks import MODELS_DIR, tiny_model
 
 
@@ -37,7 +37,7 @@ def test_up_starts_everything_and_ctrl_c_leaves_nothing_behind(tmp_path):
     env = {**os.environ, "LOOPLINE_MODEL": tiny_model(), "LOOPLINE_STATE_DIR": str(state),
            "LOOPLINE_MODELS_DIR": str(MODELS_DIR), "LOOPLINE_PORT": str(port),
            "LOOPLINE_NATS_PORT": str(free_port()), "LOOPLINE_NATS_MONITOR_PORT": str(free_port())}
-    up = subprocess.Popen([sys.executable, "-m", "loopline.common.up"], env=env, stdout=subprocess.PIPE,
+    up = subprocess.Popen([sys.executable, "-m", "loopline.common.local.up"], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     try:
         lines = []

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loopline.common import nats_auth, nats_permissions
+from loopline.common.runtime import nats_auth, nats_permissions
 from support.deploy import CHART_VALUES, COMPOSE_STACKS, ROOT, Tools, compose_config, render_chart
 
 

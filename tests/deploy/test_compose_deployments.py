@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from loopline.common.settings import InferenceSettings
+from loopline.common.config.settings import InferenceSettings
 from support.deploy import COMPOSE, ROOT, compose_config, settings_env_names
 
 EMBEDDINGS = ROOT / "deploy" / "compose" / "docker-compose.embeddings.yml"

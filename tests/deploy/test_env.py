@@ -2,7 +2,7 @@
 
 For every container of the compose stacks (with and without the GPU override) and of the chart
 (default values and ci/gpu-values.yaml): each LOOPLINE_* variable it sets, or its image sets, must
-be a field (or alias) of that service's class in loopline.common.settings; the settings a service
+be a field (or alias) of that service's class in loopline.common.config.settings; the settings a service
 cannot run without in a multi-container deployment must be set; the literal values must pass the
 class's own validation; and Kubernetes $(VAR) references must point at a variable defined before.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from loopline.common import settings as settings_module
+from loopline.common.config import settings as settings_module
 from support.deploy import (
     CHART_VALUES,
     COMPOSE_STACKS,
@@ -110,7 +110,8 @@ def _settings_class(service: str):
     name = SERVICES[service][0]
     cls = getattr(settings_module, name, None)
     if cls is None:
-        pytest.xfail(f"loopline.common.settings has no {name} yet: the {service} service is not written")
+        pytest.xfail(f"loopline.common.config.settings has no {name} yet: the {service} service is not "
+                     "written")
     return cls
 
 

@@ -12,7 +12,7 @@ import sys
 import nats
 from nats.micro import add_service
 
-from loopline.common import subjects
+from loopline.common.contracts import subjects
 from support.deploy import ROOT
 
 SCRIPT = ROOT / "deploy" / "docker" / "healthcheck.py"

@@ -12,7 +12,8 @@ import subprocess
 import nats
 import pytest
 
-from loopline.common import bus, launcher
+from loopline.common.local import launcher
+from loopline.common.runtime import bus
 from support.deploy import (
     CHART_VALUES,
     CHECK_CHART,

@@ -15,8 +15,9 @@ import time
 import httpx
 import pytest
 
-from loopline.common import launcher, metrics
-from loopline.common.settings import CommonSettings
+from loopline.common.config.settings import CommonSettings
+from loopline.common.local import launcher
+from loopline.common.runtime import metrics
 from support.deploy import (
     CHART_VALUES,
     COMPOSE,

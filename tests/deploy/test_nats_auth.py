@@ -13,7 +13,9 @@ from urllib.parse import urlsplit
 import nats
 import pytest
 
-from loopline.common import launcher, nats_auth, nats_permissions, subjects
+from loopline.common.contracts import subjects
+from loopline.common.local import launcher
+from loopline.common.runtime import nats_auth, nats_permissions
 from support.deploy import ROOT
 
 SERVER_CONFIG = ROOT / "deploy" / "helm" / "loopline" / "files" / "nats-auth.conf"
@@ -23,7 +25,8 @@ COMPOSE_ROLES = {"gateway": "gateway", "queue": "queue", "inference": "inference
 
 def test_the_committed_server_config_is_the_generated_one():
     assert SERVER_CONFIG.read_text() == nats_auth.server_config(), (
-        "regenerate: python -m loopline.common.nats_auth config > deploy/helm/loopline/files/nats-auth.conf")
+        "regenerate: python -m loopline.common.runtime.nats_auth config > "
+        "deploy/helm/loopline/files/nats-auth.conf")
 
 
 def test_compose_runs_nats_with_auth_and_each_service_as_itself(compose_stacks, compose_nats_passwords):

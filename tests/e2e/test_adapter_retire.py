@@ -16,8 +16,9 @@ import scalarlm
 from e2e.test_adapter_serving import PAIRS, announce, complete, wait_for
 from nats.js.object_store import OBJ_ALL_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
-from loopline.common import adapter_retire, bus, subjects
-from loopline.common.schemas import ServiceStatus
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import ServiceStatus
+from loopline.common.runtime import adapter_retire, bus
 from loopline.ml.train.checkpoint import latest_checkpoint
 from support.stacks import make_stack
 

@@ -18,9 +18,10 @@ import httpx
 import pytest
 import scalarlm
 
-from loopline.common import bus, subjects
-from loopline.common.job_schemas import AdapterEvent
-from loopline.common.launcher import stop as stop_proc
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_schemas import AdapterEvent
+from loopline.common.local.launcher import stop as stop_proc
+from loopline.common.runtime import bus
 from loopline.ml.train.checkpoint import latest_checkpoint
 from support.checkpoints import announce_checkpoint
 from support.stacks import make_stack

@@ -21,7 +21,8 @@ import httpx
 import nats
 import pytest
 
-from loopline.common import launcher, subjects
+from loopline.common.contracts import subjects
+from loopline.common.local import launcher
 from support.chaos import (
     assert_answered_once,
     chaos_rng,

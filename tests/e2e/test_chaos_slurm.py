@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loopline.common.job_layout import EVENTS_FILE
+from loopline.common.contracts.job_layout import EVENTS_FILE
 from support.chaos import assert_answered_once, chaos_rng, openai_load
 from support.chaos_jobs import (
     RunWatch,

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from transformers.utils import CONFIG_NAME
 
-from loopline.common import subjects
+from loopline.common.contracts import subjects
 from loopline.inference.vllm_args import serve_flags
 from loopline.ml.models.resolve import resolve_model
 from support.stacks import MODELS_DIR, make_stack

@@ -12,8 +12,8 @@ import time
 
 import httpx
 
-from loopline.common import subjects
-from loopline.common.schemas import ResultItem
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import ResultItem
 from support.bus_view import BusView
 
 # Long enough that generating it to the end takes several seconds on the tiny model (~300 tokens/s

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import httpx
 
-from loopline.common import subjects
+from loopline.common.contracts import subjects
 from support.bus_view import BusView
 from support.scrape import metrics_url, scrape, value
 

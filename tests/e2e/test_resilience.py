@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from loopline.common import launcher
+from loopline.common.local import launcher
 from support import chaos
 from support.stacks import make_stack
 

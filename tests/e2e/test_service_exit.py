@@ -23,8 +23,10 @@ from pathlib import Path
 import nats.errors
 import pytest
 
-from loopline.common import bus, launcher, runtime, subjects
-from loopline.common.schemas import ResultItem, ServiceStatus, WorkItem
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import ResultItem, ServiceStatus, WorkItem
+from loopline.common.local import launcher
+from loopline.common.runtime import bus, service as runtime
 from loopline.gateway.core.submit import Prompt, request_id
 from loopline.gateway.core.work import WorkPublisher
 from support.kill_loop import KILLED

@@ -14,9 +14,10 @@ import pytest
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from loopline.common import bus, subjects, tinker_names
-from loopline.common.tinker_schemas import Payload, SessionEvent, StepCall
-from loopline.common.tinker_store import TinkerStore
+from loopline.common.contracts import subjects, tinker_names
+from loopline.common.contracts.tinker_schemas import Payload, SessionEvent, StepCall
+from loopline.common.runtime import bus
+from loopline.common.runtime.tinker_store import TinkerStore
 
 PAIRS = [("Say hi.", " Hi there!"), ("One plus one?", " Two."), ("Colour of sky?", " Blue.")]
 

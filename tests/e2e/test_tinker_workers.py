@@ -17,9 +17,9 @@ import pytest
 import tinker
 from tinker import types
 
-from loopline.common import bus
-from loopline.common.tinker_schemas import TinkerModel, TinkerWorker
-from loopline.common.tinker_store import TinkerStore
+from loopline.common.contracts.tinker_schemas import TinkerModel, TinkerWorker
+from loopline.common.runtime import bus
+from loopline.common.runtime.tinker_store import TinkerStore
 from support.stacks import make_stack
 
 IDLE_TTL_S = 20

@@ -23,7 +23,7 @@ import openai
 import pytest
 import scalarlm
 
-from loopline.common.adapter_format import FROZEN_BASE_TYPES
+from loopline.common.contracts.adapter_format import FROZEN_BASE_TYPES
 from loopline.ml.train.checkpoint import latest_checkpoint
 from support.greedy import greedy_texts
 from support.stacks import make_stack

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from e2e.test_resilience import results_until_done
 
-from loopline.common import launcher
-from loopline.common.stack import plan_deployments
+from loopline.common.local import launcher
+from loopline.common.local.stack import plan_deployments
 from support.stacks import make_stack
 
 pytestmark = pytest.mark.timeout(900)

@@ -226,7 +226,7 @@ def clients(tmp_path_factory, tiny, loopline_stack):
 
 def test_replica_runs_the_same_flags(tiny, loopline_stack, monkeypatch):
     """The flags the replica computes from the stack's settings are the ones vllm serve gets."""
-    from loopline.common.settings import InferenceSettings
+    from loopline.common.config.settings import InferenceSettings
     from loopline.inference.service import flags_of
 
     for key, value in loopline_stack.env().items():

@@ -23,7 +23,7 @@ from e2e.parity_cases import CASES, MODEL, Case, for_model
 from e2e.test_adapter_serving import PAIRS, announce, wait_for
 from e2e.test_vllm_parity import MAX_INFLIGHT, OURS, VLLM_ARGS, assert_same, send
 
-from loopline.common.adapter_format import FROZEN_BASE_TYPES
+from loopline.common.contracts.adapter_format import FROZEN_BASE_TYPES
 from loopline.inference.adapters_vllm import to_vllm_lora
 from loopline.inference.vllm_args import serve_flags
 from loopline.ml.train.checkpoint import latest_checkpoint
@@ -106,7 +106,7 @@ def clients(tmp_path_factory, tiny, adapter_stack, trained):
 
 def test_replica_runs_the_same_flags(tiny, adapter_stack, monkeypatch):
     """vllm serve gets the replica's flags, and only --lora-modules besides."""
-    from loopline.common.settings import InferenceSettings
+    from loopline.common.config.settings import InferenceSettings
     from loopline.inference.service import flags_of
 
     for key, value in adapter_stack.env().items():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from loopline.common import launcher
+from loopline.common.local import launcher
 from support.bus_view import BusView
 from support.gateway_process import BASE_MODEL, start_gateway
 from support.nats import nats_server

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from loopline.common import bus, launcher, subjects
-from loopline.common.job_schemas import AdapterEvent
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_schemas import AdapterEvent
+from loopline.common.local import launcher
+from loopline.common.runtime import bus
 from loopline.gateway.core.adapters import AdapterRegistry
 from support.nats import nats_server, restart
 

@@ -8,8 +8,8 @@ import json
 
 import nats
 
-from loopline.common import subjects
-from loopline.common.schemas import ResultItem
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import ResultItem
 from loopline.gateway.core.answers import Answers
 from loopline.gateway.core.submit import request_id
 from support.nats import nats_server

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from loopline.common import launcher
+from loopline.common.local import launcher
 from support.gateway_process import start_gateway
 
 KEYS = "key-one,key-two"

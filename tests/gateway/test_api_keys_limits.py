@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from loopline.cli.main import app as cli_app
-from loopline.common import launcher
+from loopline.common.local import launcher
 from loopline.gateway.auth.key_store import KeyEntry, KeyFile, key_hash, new_key, write_key_file
 from support.gateway_process import start_gateway
 

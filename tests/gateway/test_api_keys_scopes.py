@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from loopline.common import launcher
-from loopline.common.job_layout import DATASET_FILE
+from loopline.common.contracts.job_layout import DATASET_FILE
+from loopline.common.local import launcher
 from loopline.gateway.auth.key_store import KeyEntry, KeyFile, key_hash, new_key, write_key_file
 from support.gateway_process import start_gateway, wait_job
 from support.training_data import EXAMPLES, archive, jsonlines

@@ -14,9 +14,10 @@ import scalarlm
 from masint.engines.cray import submit_training_job
 from nats.js.object_store import OBJ_STREAM_TEMPLATE
 
-from loopline.common import launcher, subjects
-from loopline.common.job_hash import job_hash as hash_job
-from loopline.common.job_layout import DATASET_FILE
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_hash import job_hash as hash_job
+from loopline.common.contracts.job_layout import DATASET_FILE
+from loopline.common.local import launcher
 from support.bus_view import BusView
 from support.gateway_process import BASE_MODEL, MAX_CHUNK_BYTES, start_gateway
 from support.nats import nats_server

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from loopline.common.job_layout import DATASET_FILE
+from loopline.common.contracts.job_layout import DATASET_FILE
 from support.gateway_process import wait_job
 from support.training_data import EXAMPLES, archive, jsonlines
 

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from loopline.common import launcher
+from loopline.common.local import launcher
 from support.gateway_process import start_gateway
 
 

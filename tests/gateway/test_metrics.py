@@ -10,8 +10,9 @@ import time
 import httpx
 import pytest
 
-from loopline.common import launcher, subjects
-from loopline.common.schemas import DeploymentInfo
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import DeploymentInfo
+from loopline.common.local import launcher
 from support.gateway_process import start_gateway
 from support.scrape import metrics_url, scrape, value
 

@@ -9,8 +9,10 @@ import time
 
 import pytest
 
-from loopline.common import bus, launcher, subjects
-from loopline.common.schemas import DeploymentInfo
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import DeploymentInfo
+from loopline.common.local import launcher
+from loopline.common.runtime import bus
 from loopline.gateway.core import model_directory
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.model_directory import ModelDirectory

@@ -13,8 +13,8 @@ import sys
 import httpx
 import pytest
 
-from loopline.common import launcher
-from loopline.common.schemas import QUEUED_ROUTES
+from loopline.common.contracts.schemas import QUEUED_ROUTES
+from loopline.common.local import launcher
 from loopline.gateway.auth.scopes import ANY_KEY, OPEN, SCOPES
 from loopline.gateway.core.openapi_docs import STATUSES, VLLM_OPENAPI, vllm_document
 from loopline.gateway.core.route_spec import SCOPE

@@ -13,8 +13,9 @@ import time
 import httpx
 import nats
 
-from loopline.common import launcher, subjects
-from loopline.common.schemas import ServiceStatus
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import ServiceStatus
+from loopline.common.local import launcher
 from support.gateway_process import BASE_MODEL, start_gateway
 
 

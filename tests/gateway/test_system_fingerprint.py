@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from loopline.common.schemas import ResultItem
+from loopline.common.contracts.schemas import ResultItem
 from loopline.gateway.core.submit import request_id
 from loopline.gateway.scalarlm.generate_api import result_entry
 from loopline.inference.vllm_answers import VersionStamp

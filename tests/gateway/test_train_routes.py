@@ -15,11 +15,11 @@ import pytest
 import scalarlm
 from masint.cli import view_logs
 
-from loopline.common import subjects
-from loopline.common.job_hash import job_hash as hash_job
-from loopline.common.job_layout import CODE_DIR, DATASET_FILE, EVENTS_FILE
-from loopline.common.job_schemas import ClusterInfo, JobInfo, JobRef
-from loopline.common.train_params import JobConfig, canonical
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_hash import job_hash as hash_job
+from loopline.common.contracts.job_layout import CODE_DIR, DATASET_FILE, EVENTS_FILE
+from loopline.common.contracts.job_schemas import ClusterInfo, JobInfo, JobRef
+from loopline.common.contracts.train_params import JobConfig, canonical
 from loopline.trainer.jobdir import log_name
 from support.gateway_process import BASE_MODEL, MAX_MEMBERS, MAX_UPLOAD_BYTES, wait_job
 from support.training_data import EXAMPLES, archive, jsonlines, sha256

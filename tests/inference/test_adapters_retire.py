@@ -26,7 +26,8 @@ from inference.test_adapters_runtime import (  # noqa: F401 - fixtures
 )
 from nats.js.errors import NotFoundError
 
-from loopline.common import adapter_retire, subjects
+from loopline.common.contracts import subjects
+from loopline.common.runtime import adapter_retire
 from support.checkpoints import announce_checkpoint
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"),

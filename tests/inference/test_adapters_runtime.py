@@ -22,10 +22,11 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from loopline.common import adapter_format, bus, subjects
-from loopline.common.job_layout import CHECKPOINTS_DIR, CONFIG_FILE, DATASET_FILE, checkpoint_name
-from loopline.common.job_schemas import AdapterEvent
-from loopline.common.schemas import ResultItem, WorkItem
+from loopline.common.contracts import adapter_format, subjects
+from loopline.common.contracts.job_layout import CHECKPOINTS_DIR, CONFIG_FILE, DATASET_FILE, checkpoint_name
+from loopline.common.contracts.job_schemas import AdapterEvent
+from loopline.common.contracts.schemas import ResultItem, WorkItem
+from loopline.common.runtime import bus
 from loopline.gateway.core.submit import request_id
 from loopline.gateway.core.work import WorkPublisher
 from loopline.inference.adapters import AdapterManager

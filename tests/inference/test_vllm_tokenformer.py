@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from loopline.common.adapter_format import CONFIG_FILE
+from loopline.common.contracts.adapter_format import CONFIG_FILE
 from support.greedy import greedy_completions
 from support.stacks import tiny_model
 

@@ -13,8 +13,9 @@ import uuid
 import pytest
 import pytest_asyncio
 
-from loopline.common import bus, subjects
-from loopline.common.schemas import ResultItem, WorkItem
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import ResultItem, WorkItem
+from loopline.common.runtime import bus
 from loopline.gateway.core.submit import request_id
 from loopline.gateway.core.work import WorkPublisher
 from loopline.inference.vllm_args import serve_flags

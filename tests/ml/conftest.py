@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from loopline.common.job_hash import job_hash
-from loopline.common.job_layout import CONFIG_FILE, DATASET_FILE, EVENTS_FILE, STATUS_FILE
-from loopline.common.train_params import JobConfig, TrainParams, canonical
+from loopline.common.contracts.job_hash import job_hash
+from loopline.common.contracts.job_layout import CONFIG_FILE, DATASET_FILE, EVENTS_FILE, STATUS_FILE
+from loopline.common.contracts.train_params import JobConfig, TrainParams, canonical
 from loopline.ml.train.status import read_status
 from support.stacks import tiny_model
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from loopline.common.job_layout import RUN_LOCK_FILE
+from loopline.common.contracts.job_layout import RUN_LOCK_FILE
 
 HOLD = ("import fcntl, sys, time\n"
         "lock = open(sys.argv[1], 'ab'); fcntl.lockf(lock, fcntl.LOCK_EX)\n"

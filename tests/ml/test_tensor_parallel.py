@@ -20,8 +20,8 @@ import torch
 pytest.importorskip("megatron.core",
                     reason="megatron-core is not installed (the ml package's megatron extra)")
 
-from loopline.common.adapter_format import WEIGHTS_FILE
-from loopline.common.job_layout import (
+from loopline.common.contracts.adapter_format import WEIGHTS_FILE
+from loopline.common.contracts.job_layout import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     DATASET_FILE,
@@ -29,7 +29,7 @@ from loopline.common.job_layout import (
     STATUS_FILE,
     checkpoint_name,
 )
-from loopline.common.launcher import free_port
+from loopline.common.local.launcher import free_port
 from loopline.ml.parallel.distributed import first_slurm_host, launch_from_env, slurm_port
 from loopline.ml.parallel.sharding import Shard, to_full, to_local
 

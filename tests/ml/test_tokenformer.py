@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from loopline.common.train_params import TokenformerParams
+from loopline.common.contracts.train_params import TokenformerParams
 from loopline.ml.adapters.io import (
     adapter_config,
     adapter_tensors,

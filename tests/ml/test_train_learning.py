@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from loopline.common.adapter_format import FROZEN_BASE_TYPES
+from loopline.common.contracts.adapter_format import FROZEN_BASE_TYPES
 from loopline.ml.train.checkpoint import latest_checkpoint
 from support.greedy import greedy_texts
 

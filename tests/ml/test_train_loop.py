@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from loopline.common.train_params import TrainParams
+from loopline.common.contracts.train_params import TrainParams
 from loopline.ml.adapters.io import prepare_model
 from loopline.ml.train.data import collate, tokenize
 from loopline.ml.train.loop import lr_factor, train_step

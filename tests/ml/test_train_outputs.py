@@ -7,8 +7,8 @@ import threading
 
 from safetensors import safe_open
 
-from loopline.common import adapter_format
-from loopline.common.job_layout import (
+from loopline.common.contracts import adapter_format
+from loopline.common.contracts.job_layout import (
     CHECKPOINTS_DIR,
     TRAINING_STATE_FILE,
     checkpoint_name,

@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from loopline.common.adapter_format import FROZEN_BASE_TYPES
-from loopline.common.job_layout import CHECKPOINTS_DIR, EVENTS_FILE, STATUS_FILE, checkpoint_name
+from loopline.common.contracts.adapter_format import FROZEN_BASE_TYPES
+from loopline.common.contracts.job_layout import CHECKPOINTS_DIR, EVENTS_FILE, STATUS_FILE, checkpoint_name
 from loopline.ml.adapters.io import read_tensors
 from loopline.ml.train.checkpoint import latest_checkpoint, list_checkpoints
 

@@ -11,8 +11,10 @@ import nats.errors
 import pytest
 import sqlalchemy as sa
 
-from loopline.common import bus, launcher, subjects
+from loopline.common.contracts import subjects
 from loopline.common.db.engine import migrate, open_database
+from loopline.common.local import launcher
+from loopline.common.runtime import bus
 
 QUEUE_STATUS = subjects.SVC_QUEUE_STATUS
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-from loopline.common import bus, subjects
-from loopline.common.schemas import DeploymentInfo, QueueState, WorkItem
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import DeploymentInfo, QueueState, WorkItem
+from loopline.common.runtime import bus
 
 
 async def test_queue_state_reports_pending_and_in_flight(nc, js, start_queue, eventually):

@@ -11,10 +11,11 @@ import sqlalchemy as sa
 from nats.js.errors import NotFoundError
 from sqlalchemy.orm import Session
 
-from loopline.common import bus, subjects
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import ResultItem, WorkItem
 from loopline.common.db.engine import open_database
 from loopline.common.db.rows import DeadLetterRow, RequestRow
-from loopline.common.schemas import ResultItem, WorkItem
+from loopline.common.runtime import bus
 
 
 async def test_exhausted_deliveries_fail_the_request(nc, js, start_queue, eventually, tmp_path):

@@ -7,10 +7,8 @@ import json
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from loopline.common import bus, subjects
-from loopline.common.db.engine import open_database
-from loopline.common.db.rows import RequestRow
-from loopline.common.schemas import (
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import (
     ClearQueueReply,
     DeploymentInfo,
     ErrorInfo,
@@ -18,6 +16,9 @@ from loopline.common.schemas import (
     ServiceStatus,
     WorkItem,
 )
+from loopline.common.db.engine import open_database
+from loopline.common.db.rows import RequestRow
+from loopline.common.runtime import bus
 
 
 def work(group: str, index: int, at: float | None = None) -> WorkItem:

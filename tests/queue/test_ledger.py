@@ -7,9 +7,9 @@ import json
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from loopline.common.contracts.schemas import ErrorInfo, ResultItem, WorkItem
 from loopline.common.db.engine import migrate, open_database
 from loopline.common.db.rows import BatchRow, DeadLetterRow, RequestRow
-from loopline.common.schemas import ErrorInfo, ResultItem, WorkItem
 from loopline.queue import ledger
 from loopline.queue.records import DeadLetter
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 
-from loopline.common import bus, subjects
-from loopline.common.schemas import DeploymentInfo, ResultItem, WorkItem
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import DeploymentInfo, ResultItem, WorkItem
+from loopline.common.runtime import bus
 from support.scrape import metrics_url, scrape, value
 
 

@@ -7,10 +7,12 @@ import json
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from loopline.common import bus, launcher, subjects
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import ErrorInfo, ResultItem, WorkItem
 from loopline.common.db.engine import open_database
 from loopline.common.db.rows import BatchRow, RequestRow
-from loopline.common.schemas import ErrorInfo, ResultItem, WorkItem
+from loopline.common.local import launcher
+from loopline.common.runtime import bus
 
 
 def work(group: str, index: int, request_id: str | None = None) -> WorkItem:

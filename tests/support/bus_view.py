@@ -13,8 +13,9 @@ from nats.aio.client import Client as NATS
 from nats.js.api import ObjectInfo
 from pydantic import BaseModel
 
-from loopline.common import bus, subjects
-from loopline.common.service_client import ServiceClient
+from loopline.common.contracts import subjects
+from loopline.common.runtime import bus
+from loopline.common.runtime.service_client import ServiceClient
 
 T = TypeVar("T")
 Reply = TypeVar("Reply", bound=BaseModel)

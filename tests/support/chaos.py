@@ -20,8 +20,9 @@ import httpx
 import nats
 import openai
 
-from loopline.common import launcher, subjects
-from loopline.common.stack import LocalStack
+from loopline.common.contracts import subjects
+from loopline.common.local import launcher
+from loopline.common.local.stack import LocalStack
 from support.soak_load import IncompleteStream
 
 SEED_VARIABLE = "LOOPLINE_CHAOS_SEED"

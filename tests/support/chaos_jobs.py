@@ -20,9 +20,9 @@ import httpx
 import nats
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from loopline.common import subjects
-from loopline.common.job_layout import CHECKPOINTS_DIR, EVENTS_FILE, checkpoint_step
-from loopline.common.stack import LocalStack
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_layout import CHECKPOINTS_DIR, EVENTS_FILE, checkpoint_step
+from loopline.common.local.stack import LocalStack
 from support.chaos import assert_answered_once, openai_load
 
 FINISHED_JOB = {"COMPLETED", "FAILED", "CANCELLED"}

@@ -13,10 +13,10 @@ from pathlib import Path
 from loopline.checkpoint_watcher.pack import pack
 from loopline.checkpoint_watcher.publish import announce
 from loopline.checkpoint_watcher.scan import StepDir
-from loopline.common import subjects
-from loopline.common.job_layout import checkpoint_step
-from loopline.common.job_schemas import CheckpointAnnounce
-from loopline.common.settings import CheckpointWatcherSettings
+from loopline.common.config.settings import CheckpointWatcherSettings
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_layout import checkpoint_step
+from loopline.common.contracts.job_schemas import CheckpointAnnounce
 
 MAX_ADAPTER_BYTES = CheckpointWatcherSettings.model_fields["max_adapter_bytes"].default
 

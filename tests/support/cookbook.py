@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from loopline.common import launcher
+from loopline.common.local import launcher
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALL_SCRIPT = REPO / "scripts" / "install_cookbook.sh"

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from loopline.common.train_params import JobConfig, TrainParams
+from loopline.common.contracts.train_params import JobConfig, TrainParams
 from loopline.trainer import jobdir
 
 KEY_SCALE = 500.0    # a: |s| stays large unless x is nearly orthogonal to u

@@ -15,7 +15,7 @@ from typing import Any
 import schemathesis
 from hypothesis import strategies as st
 
-from loopline.common.schemas import POOLING_ROUTES
+from loopline.common.contracts.schemas import POOLING_ROUTES
 
 SERVED_MODEL = os.environ["LOOPLINE_FUZZ_MODEL"]
 EMBED_MODEL = os.environ.get("LOOPLINE_FUZZ_EMBED_MODEL", SERVED_MODEL)

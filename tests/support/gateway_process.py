@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from loopline.common import launcher
+from loopline.common.local import launcher
 
 BASE_MODEL = "test-org/base-model"
 # Small limits, so the 413 tests need not send megabytes.

@@ -3,7 +3,7 @@
 loop dies ``after_s`` seconds after the service starts serving: the loop's own task is cancelled
 where it waits (its ``finally`` blocks run) and then raises RuntimeError("killed by test"), as an
 uncaught bug or a lost dependency would. Nothing else is changed: what the process does next is the
-runtime's exit policy (loopline.common.runtime), which tests/e2e/test_service_exit.py checks.
+runtime's exit policy (loopline.common.runtime.service), which tests/e2e/test_service_exit.py checks.
 
 Run with ``PYTHONPATH`` holding tests/, and the service's ``LOOPLINE_*`` settings.
 """
@@ -15,7 +15,7 @@ import importlib
 import sys
 from collections.abc import Awaitable, Mapping
 
-from loopline.common import runtime
+from loopline.common.runtime import service as runtime
 
 KILLED = "killed by test"
 

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from loopline.common import launcher
+from loopline.common.local import launcher
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 
-from loopline.common.launcher import free_port
+from loopline.common.local.launcher import free_port
 
 PASSWORD = "loopline"
 

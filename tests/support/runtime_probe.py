@@ -1,5 +1,5 @@
 """``python -m support.runtime_probe <scenario>``: a service made of nothing but the shared runtime
-(loopline.common.runtime), its loops chosen to end, raise, return early, ignore the stop or hold
+(loopline.common.runtime.service), its loops chosen to end, raise, return early, ignore the stop or hold
 the event loop, for tests/common/test_runtime.py and test_metrics.py. Run with ``PYTHONPATH``
 holding tests/ and ``LOOPLINE_NATS_URL`` set.
 
@@ -14,8 +14,8 @@ import logging
 import sys
 import time
 
-from loopline.common import runtime
-from loopline.common.settings import CommonSettings
+from loopline.common.config.settings import CommonSettings
+from loopline.common.runtime import service as runtime
 
 log = logging.getLogger("probe")
 

@@ -7,7 +7,7 @@ from nats.aio.client import Client as NATS
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from loopline.common.schemas import ServiceStatus
+from loopline.common.contracts.schemas import ServiceStatus
 
 
 def scrape(url: str) -> list[Sample]:

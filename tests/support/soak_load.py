@@ -22,7 +22,7 @@ import httpx
 import nats
 import openai
 
-from loopline.common import subjects
+from loopline.common.contracts import subjects
 
 RETRY_PAUSE_S = 0.5
 FINISHED_JOB = {"COMPLETED", "FAILED", "CANCELLED"}

@@ -17,9 +17,9 @@ from typing import Any
 
 import nats
 
-from loopline.common import subjects
-from loopline.common.stack import LocalStack
-from loopline.common.tinker_names import TINKER_DIR
+from loopline.common.contracts import subjects
+from loopline.common.contracts.tinker_names import TINKER_DIR
+from loopline.common.local.stack import LocalStack
 from support.soak_load import quiet
 
 # nats-server's /varz figures worth following over hours.

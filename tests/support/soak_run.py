@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from loopline.common.stack import LocalStack
+from loopline.common.local.stack import LocalStack
 from support.soak_load import Load
 from support.soak_probe import Limits, breaches, table, take_sample
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loopline.common.stack import LocalStack
+from loopline.common.local.stack import LocalStack
 
 REPO = Path(__file__).resolve().parents[2]
 # Prepared models live beside the checkout (git-ignored), so a CI machine converts SmolLM2 once.

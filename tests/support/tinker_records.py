@@ -9,8 +9,8 @@ from collections.abc import Iterable
 
 from nats.aio.client import Client as NATS
 
-from loopline.common import bus, subjects, tinker_names
-from loopline.common.tinker_schemas import (
+from loopline.common.contracts import subjects, tinker_names
+from loopline.common.contracts.tinker_schemas import (
     LoraSpec,
     SessionEvent,
     TinkerCheckpoint,
@@ -18,7 +18,8 @@ from loopline.common.tinker_schemas import (
     TinkerSession,
     TinkerWorker,
 )
-from loopline.common.tinker_store import TinkerStore
+from loopline.common.runtime import bus
+from loopline.common.runtime.tinker_store import TinkerStore
 from support.bus_view import BusView
 
 BASE = "test-org/base-model"

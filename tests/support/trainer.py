@@ -1,5 +1,5 @@
 """The trainer's API and events for tests, through the product's own parts: requests and refusals by
-loopline.common.service_client (the client the gateway wraps), datasets read as the gateway reads
+loopline.common.runtime.service_client (the client the gateway wraps), datasets read as the gateway reads
 them (training_archive), job hashes as the gateway makes them (job_hash over canonical params)."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import nats.errors
 from nats.js.api import DeliverPolicy
 from pydantic import BaseModel, ValidationError
 
-from loopline.common import subjects
-from loopline.common.job_hash import job_hash
-from loopline.common.job_schemas import JobEvent, JobInfo, JobRef
-from loopline.common.service_client import ServiceClient
-from loopline.common.train_params import TrainParams, canonical
-from loopline.common.training_archive import read_training_archive
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_hash import job_hash
+from loopline.common.contracts.job_schemas import JobEvent, JobInfo, JobRef
+from loopline.common.contracts.train_params import TrainParams, canonical
+from loopline.common.contracts.training_archive import read_training_archive
+from loopline.common.runtime.service_client import ServiceClient
 
 DATASET = b'{"input": "What is 2+2?", "output": " 4"}\n{"input": "Capital of France?", "output": " Paris"}\n'
 

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import nats.errors
 
-from loopline.common import bus, launcher, subjects
-from loopline.common.job_hash import is_job_hash
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_hash import is_job_hash
+from loopline.common.local import launcher
+from loopline.common.runtime import bus
 from loopline.trainer.launchers import Launcher, make_launchers
 
 STANDIN = Path(__file__).resolve().parents[1] / "trainer" / "standin.py"

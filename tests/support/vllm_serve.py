@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from loopline.common import launcher
+from loopline.common.local import launcher
 from loopline.inference.vllm_args import apply_cpu_env, on_cpu
 
 

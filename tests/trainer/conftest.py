@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from loopline.common import bus, launcher
+from loopline.common.local import launcher
+from loopline.common.runtime import bus
 from support.trainer import TrainerClient
 from support.trainer_process import stop_local_runs, trainer_env, wait_ready
 

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from loopline.common.train_params import JobConfig
+from loopline.common.contracts.train_params import JobConfig
 from loopline.ml.train.__main__ import run_program
 from loopline.ml.train.checkpoint_folders import (
     CHECKPOINT_FILES,

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from loopline.common import subjects
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_layout import CHECKPOINTS_DIR, EVENTS_FILE, checkpoint_name
+from loopline.common.contracts.job_schemas import JobStatus
+from loopline.common.contracts.train_params import TrainParams
 from loopline.common.db.engine import migrate, open_database
-from loopline.common.job_layout import CHECKPOINTS_DIR, EVENTS_FILE, checkpoint_name
-from loopline.common.job_schemas import JobStatus
-from loopline.common.train_params import TrainParams
 from loopline.trainer import jobdir
 from loopline.trainer.events import EventPublisher, event_from_line
 from loopline.trainer.registry import Job, Registry

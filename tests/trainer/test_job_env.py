@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from loopline.common.job_layout import CODE_DIR, ENTRYPOINT_FILE
-from loopline.common.service_client import ServiceError
-from loopline.common.training_archive import deterministic_tar
+from loopline.common.contracts.job_layout import CODE_DIR, ENTRYPOINT_FILE
+from loopline.common.contracts.training_archive import deterministic_tar
+from loopline.common.runtime.service_client import ServiceError
 from loopline.trainer.shipped_code import installed_digest
 
 ROOT = os.geteuid() == 0

@@ -10,7 +10,7 @@ import tarfile
 
 import pytest
 
-from loopline.common.job_layout import CODE_DIR, ENTRYPOINT_FILE, EVENTS_FILE, STATUS_FILE
+from loopline.common.contracts.job_layout import CODE_DIR, ENTRYPOINT_FILE, EVENTS_FILE, STATUS_FILE
 from loopline.trainer import jobdir
 from loopline.trainer.errors import InvalidRequest
 from loopline.trainer.models import resolve_model_path

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loopline.common.job_layout import ENTRYPOINT_FILE
+from loopline.common.contracts.job_layout import ENTRYPOINT_FILE
 from loopline.trainer import jobdir
 from loopline.trainer.launchers import LaunchSpec, LaunchState, make_launchers
 from loopline.trainer.launchers.local import LocalLauncher

@@ -3,7 +3,7 @@ program): its registry's jobs by status, every status present, read when scraped
 
 from __future__ import annotations
 
-from loopline.common import subjects
+from loopline.common.contracts import subjects
 from support.scrape import metrics_url, scrape, value
 
 

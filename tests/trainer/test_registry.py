@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from loopline.common.contracts.job_schemas import JobStatus
+from loopline.common.contracts.train_params import TrainParams, canonical
 from loopline.common.db.engine import migrate, open_database
-from loopline.common.job_schemas import JobStatus
-from loopline.common.train_params import TrainParams, canonical
 from loopline.trainer.errors import InvalidRequest, JobNotFound
 from loopline.trainer.registry import Job, Registry
 

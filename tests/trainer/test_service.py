@@ -13,16 +13,17 @@ import tarfile
 
 import pytest
 
-from loopline.common import launcher as processes, subjects
-from loopline.common.job_layout import (
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_layout import (
     CHECKPOINTS_DIR,
     DATASET_FILE,
     ENTRYPOINT_FILE,
     EVENTS_FILE,
     checkpoint_name,
 )
-from loopline.common.job_schemas import ClusterInfo, JobList, JobSubmit, LogLines, SqueueReply
-from loopline.common.service_client import ServiceError
+from loopline.common.contracts.job_schemas import ClusterInfo, JobList, JobSubmit, LogLines, SqueueReply
+from loopline.common.local import launcher as processes
+from loopline.common.runtime.service_client import ServiceError
 from support.trainer import DATASET
 from support.trainer_process import local_launcher
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import time
 
-from loopline.common import tinker_names
-from loopline.common.adapter_format import WEIGHTS_FILE
-from loopline.common.job_layout import CHECKPOINTS_DIR
-from loopline.common.settings import TrainerSettings
-from loopline.common.tinker_schemas import TinkerCheckpoint
+from loopline.common.config.settings import TrainerSettings
+from loopline.common.contracts import tinker_names
+from loopline.common.contracts.adapter_format import WEIGHTS_FILE
+from loopline.common.contracts.job_layout import CHECKPOINTS_DIR
+from loopline.common.contracts.tinker_schemas import TinkerCheckpoint
 from loopline.trainer.launchers import make_launchers
 from loopline.trainer.tinker_workers import SessionWorkers
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from loopline.common.adapter_format import CONFIG_FILE, WEIGHTS_FILE
-from loopline.common.tinker_names import LORA_FILE, OPTIMIZER_FILE
-from loopline.common.tinker_schemas import LoraSpec
+from loopline.common.contracts.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from loopline.common.contracts.tinker_names import LORA_FILE, OPTIMIZER_FILE
+from loopline.common.contracts.tinker_schemas import LoraSpec
 from loopline.ml.adapters.io import apply_adapter, read_adapter_config
 from loopline.ml.tinker.types import AdamParams, UserError
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from loopline.common.tinker_schemas import LoraSpec
+from loopline.common.contracts.tinker_schemas import LoraSpec
 from loopline.ml.tinker.batching import micro_batches
 from loopline.ml.tinker.types import AdamParams, Datum, UserError
 

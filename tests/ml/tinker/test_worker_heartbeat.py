@@ -12,10 +12,10 @@ import os
 import signal
 import time
 
-from loopline.common import bus
-from loopline.common.settings import TinkerWorkerSettings
-from loopline.common.tinker_schemas import TinkerWorker
-from loopline.common.tinker_store import TinkerStore
+from loopline.common.config.settings import TinkerWorkerSettings
+from loopline.common.contracts.tinker_schemas import TinkerWorker
+from loopline.common.runtime import bus
+from loopline.common.runtime.tinker_store import TinkerStore
 from loopline.ml.tinker.worker import SessionWorker
 
 WORKER_ID = "w-heartbeat"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-# loopline.common.job_layout.DATASET_FILE, which this HTTP-only package does not install
+# loopline.common.contracts.job_layout.DATASET_FILE, which this HTTP-only package does not install
 # (tests/common/test_contracts.py checks the two agree).
 DATASET_NAME = "dataset.jsonlines"
 MAX_REPORTED_ERRORS = 5

@@ -37,7 +37,7 @@ STATUS_COLOURS = {"COMPLETED": "green", "FAILED": "red", "CANCELLED": "yellow", 
 
 
 class Adapter(str, enum.Enum):
-    # loopline.common.adapter_format.ADAPTER_TYPES (tests/common/test_contracts.py checks them).
+    # loopline.common.contracts.adapter_format.ADAPTER_TYPES (tests/common/test_contracts.py checks them).
     tokenformer = "tokenformer"
     lora = "lora"
     none = "none"
@@ -320,4 +320,4 @@ def up(model: str | None = typer.Option(None, "--model", help="model to serve (L
         os.environ["LOOPLINE_PORT"] = str(port)
     sys.stdout.flush()
     # exec, not a child: Ctrl-C and SIGTERM reach the stack's own handler, which stops what it started.
-    os.execv(sys.executable, [sys.executable, "-m", "loopline.common.up"])
+    os.execv(sys.executable, [sys.executable, "-m", "loopline.common.local.up"])

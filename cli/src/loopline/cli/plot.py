@@ -12,7 +12,7 @@ from typing import Any
 from loopline.cli.client import EXIT_USER, CliError
 
 EMA_FROM_POINTS = 20  # below this a smoothed line hides more than it shows
-# A job directory's files (loopline.common.job_layout, which this HTTP-only package does not
+# A job directory's files (loopline.common.contracts.job_layout, which this HTTP-only package does not
 # install; tests/common/test_contracts.py checks the two agree).
 STATUS_FILE = "status.json"
 JOB_CONFIG_FILE = "config.json"

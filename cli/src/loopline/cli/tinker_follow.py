@@ -22,7 +22,7 @@ END_KINDS = ("released", "failed")
 
 
 def describe(event: dict[str, Any]) -> str:
-    """One line for a SessionEvent (loopline.common.tinker_schemas), rich markup escaped."""
+    """One line for a SessionEvent (loopline.common.contracts.tinker_schemas), rich markup escaped."""
     kind, run = event.get("kind", "?"), event.get("model_id")
     when = datetime.fromtimestamp(event["time"]).strftime("%H:%M:%S") if event.get("time") else "--:--:--"
     who = f"run {run}" if run else f"worker {event.get('worker_id', '?')}"

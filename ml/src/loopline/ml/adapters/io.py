@@ -1,4 +1,4 @@
-"""The on-disk adapter format (docs/adapter-format.md, names in loopline.common.adapter_format):
+"""The on-disk adapter format (docs/adapter-format.md, names in loopline.common.contracts.adapter_format):
 one folder, a JSON config, one safetensors file.
 
 Used by the training program to write checkpoints and by inference code to apply them.
@@ -13,7 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from loopline.common.adapter_format import CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, adapter_type_of
+from loopline.common.contracts.adapter_format import (
+    CONFIG_FILE,
+    FORMAT_VERSION,
+    WEIGHTS_FILE,
+    adapter_type_of,
+)
 
 from .lora import add_lora, load_lora_tensors, lora_config_dict, lora_config_from_dict, lora_state_dict
 from .tokenformer import add_tokenformer, tokenformer_state_dict

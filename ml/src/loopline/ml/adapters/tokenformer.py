@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loopline.common.train_params import TOKENFORMER_TARGET_MODULES
+from loopline.common.contracts.train_params import TOKENFORMER_TARGET_MODULES
 
 # Floor on the L2 norm in Θ, so an all-zero score row (e.g. x = 0) gives a zero delta, not NaN.
 TOKENFORMER_EPS = 1e-6

@@ -6,7 +6,7 @@ import logging
 import os
 from pathlib import Path
 
-from loopline.common.model_folders import is_tiny, prepared_folder
+from loopline.common.contracts.model_folders import is_tiny, prepared_folder
 
 from .smollm2 import HF_NAME as SMOLLM2, SmolLM2Unavailable, prepare_smollm2
 from .tiny import build_tiny_model, is_complete

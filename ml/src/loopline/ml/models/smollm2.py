@@ -11,7 +11,7 @@ import logging
 from importlib import metadata
 from pathlib import Path
 
-from loopline.common.model_folders import prepared_folder
+from loopline.common.contracts.model_folders import prepared_folder
 
 from .tiny import atomic_output_dir, is_complete, portable_tokenizer_class
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from loopline.common.train_params import JobConfig, TrainParams
+from loopline.common.contracts.train_params import JobConfig, TrainParams
 
 
 class ParallelParams(TrainParams):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from loopline.common.job_layout import DATASET_FILE
+from loopline.common.contracts.job_layout import DATASET_FILE
 from loopline.ml.adapters import io as adapter_io
 from loopline.ml.train.checkpoint import remove_leftovers, save_checkpoint
 from loopline.ml.train.data import IGNORE, Batch, ExampleStream, collate, read_rows, tokenize

@@ -1,8 +1,8 @@
 """``python -m loopline.ml.tinker``: a Tinker session worker under the shared runtime (the trainer
 writes this command into the worker's entrypoint)."""
 
-from loopline.common import runtime
-from loopline.common.settings import TinkerWorkerSettings
+from loopline.common.config.settings import TinkerWorkerSettings
+from loopline.common.runtime import service as runtime
 from loopline.ml.tinker.worker import run
 
 

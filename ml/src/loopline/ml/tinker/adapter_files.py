@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from loopline.common.adapter_format import CONFIG_FILE, FORMAT_VERSION
-from loopline.common.tinker_names import LORA_FILE, OPTIMIZER_FILE
-from loopline.common.tinker_schemas import LoraSpec
+from loopline.common.contracts.adapter_format import CONFIG_FILE, FORMAT_VERSION
+from loopline.common.contracts.tinker_names import LORA_FILE, OPTIMIZER_FILE
+from loopline.common.contracts.tinker_schemas import LoraSpec
 from loopline.ml.adapters.io import read_adapter_config
 
 from .lora_layers import ATTN, LORA_ALPHA, MLP, UNEMBED

@@ -20,11 +20,11 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from tinker import types as tt
 
-from loopline.common import tinker_names
-from loopline.common.job_layout import CHECKPOINTS_DIR, checkpoint_name
-from loopline.common.settings import TinkerWorkerSettings
-from loopline.common.tinker_proto import decode_forward_backward, encode_forward_backward_output
-from loopline.common.tinker_schemas import (
+from loopline.common.config.settings import TinkerWorkerSettings
+from loopline.common.contracts import tinker_names
+from loopline.common.contracts.job_layout import CHECKPOINTS_DIR, checkpoint_name
+from loopline.common.contracts.tinker_proto import decode_forward_backward, encode_forward_backward_output
+from loopline.common.contracts.tinker_schemas import (
     FutureResult,
     Payload,
     SessionEvent,
@@ -33,7 +33,7 @@ from loopline.common.tinker_schemas import (
     TinkerModel,
     TinkerSampler,
 )
-from loopline.common.tinker_store import TinkerStore
+from loopline.common.runtime.tinker_store import TinkerStore
 from loopline.ml.tinker.saves import (
     NotAnnounced,
     folder_bytes,

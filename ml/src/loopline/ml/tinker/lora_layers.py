@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from loopline.common.tinker_schemas import LoraSpec
+from loopline.common.contracts.tinker_schemas import LoraSpec
 
 from .types import UserError
 

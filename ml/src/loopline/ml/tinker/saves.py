@@ -23,9 +23,14 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from loopline.common import subjects
-from loopline.common.job_layout import CHECKPOINTS_DIR, CONFIG_FILE, checkpoint_name, checkpoint_temp_prefix
-from loopline.common.job_schemas import AdapterEvent, CheckpointAnnounce
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_layout import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    checkpoint_name,
+    checkpoint_temp_prefix,
+)
+from loopline.common.contracts.job_schemas import AdapterEvent, CheckpointAnnounce
 
 
 def write_sampler_checkpoint(jobs_dir: Path, adapter_hash: str, *, base_model: str, model_path: str,

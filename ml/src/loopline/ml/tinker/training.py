@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from loopline.common.tinker_names import model_key
-from loopline.common.tinker_schemas import LoraSpec
+from loopline.common.contracts.tinker_names import model_key
+from loopline.common.contracts.tinker_schemas import LoraSpec
 from loopline.ml.adapters.io import read_tensors, write_adapter
 
 from . import adapter_files, lora_layers

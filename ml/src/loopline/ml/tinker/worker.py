@@ -25,11 +25,12 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from loopline.common import bus, subjects
-from loopline.common.runtime import Runtime, pause
-from loopline.common.settings import TinkerWorkerSettings
-from loopline.common.tinker_schemas import SessionEvent, StepCall
-from loopline.common.tinker_store import TinkerStore
+from loopline.common.config.settings import TinkerWorkerSettings
+from loopline.common.contracts import subjects
+from loopline.common.contracts.tinker_schemas import SessionEvent, StepCall
+from loopline.common.runtime import bus
+from loopline.common.runtime.service import Runtime, pause
+from loopline.common.runtime.tinker_store import TinkerStore
 from loopline.ml.tinker.calls import Calls
 from loopline.ml.tinker.training import TrainingClients
 

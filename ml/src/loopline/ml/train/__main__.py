@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from loopline.common.job_layout import RUN_LOCK_FILE
+from loopline.common.contracts.job_layout import RUN_LOCK_FILE
 
 if TYPE_CHECKING:
-    from loopline.common.train_params import JobConfig
+    from loopline.common.contracts.train_params import JobConfig
 
     from .status import JobReporter
 
@@ -68,7 +68,7 @@ def run_program(job_dir: Path, run_job: RunJob | None = None) -> int:
     run_lock = wait_for_the_run_before(job_dir, log)  # noqa: F841 - held by being open
 
     # Imported after the handler is in place: torch and transformers take seconds to import.
-    from loopline.common.train_params import JobConfig
+    from loopline.common.contracts.train_params import JobConfig
 
     from .status import JobReporter
 

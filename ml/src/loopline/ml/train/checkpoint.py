@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from loopline.common.job_layout import TRAINING_STATE_FILE
+from loopline.common.contracts.job_layout import TRAINING_STATE_FILE
 from loopline.ml.adapters.io import write_adapter
 
 from .checkpoint_folders import (

@@ -7,7 +7,7 @@ checkpoint-watcher never sees a partial one. Old ones are renamed away before th
 the same reason. What goes inside is the caller's: ``checkpoint.save_checkpoint`` writes the adapter
 and the training state through ``publish_checkpoint``, and so does the trainer tests' stand-in
 program with small files of its own (no torch to import, so each of its runs starts in a blink).
-The names are loopline.common.job_layout's.
+The names are loopline.common.contracts.job_layout's.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from loopline.common import adapter_format
-from loopline.common.job_layout import (
+from loopline.common.contracts import adapter_format
+from loopline.common.contracts.job_layout import (
     CHECKPOINT_TEMP_PREFIX,
     CHECKPOINTS_DIR,
     TRAINING_STATE_FILE,

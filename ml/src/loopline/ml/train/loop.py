@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from loopline.common.job_layout import DATASET_FILE
-from loopline.common.train_params import JobConfig, TrainParams
+from loopline.common.contracts.job_layout import DATASET_FILE
+from loopline.common.contracts.train_params import JobConfig, TrainParams
 from loopline.ml.adapters import io as adapter_io
 
 from .checkpoint import latest_checkpoint, load_training_state, remove_leftovers, save_checkpoint

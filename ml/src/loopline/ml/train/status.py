@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loopline.common.job_layout import EVENTS_FILE, STATUS_FILE
+from loopline.common.contracts.job_layout import EVENTS_FILE, STATUS_FILE
 
 HISTORY_LIMIT = 1024  # ScalarLM's training_history_length
 

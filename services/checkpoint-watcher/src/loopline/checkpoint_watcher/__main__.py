@@ -2,8 +2,8 @@
 checkpoint-watcher under the shared runtime."""
 
 from loopline.checkpoint_watcher.service import run
-from loopline.common import runtime
-from loopline.common.settings import CheckpointWatcherSettings
+from loopline.common.config.settings import CheckpointWatcherSettings
+from loopline.common.runtime import service as runtime
 
 
 def main() -> None:

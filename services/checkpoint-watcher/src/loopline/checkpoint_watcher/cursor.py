@@ -22,7 +22,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
-from loopline.common import subjects
+from loopline.common.contracts import subjects
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 from loopline.checkpoint_watcher import validate
 from loopline.checkpoint_watcher.validate import Rejected
-from loopline.common.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from loopline.common.contracts.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 
 # Objects up to this size are built in memory; larger ones (full weights) in a temp file.
 IN_MEMORY_BYTES = 64 * 1024 * 1024

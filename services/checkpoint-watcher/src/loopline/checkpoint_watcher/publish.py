@@ -19,8 +19,9 @@ from nats.js.object_store import ObjectStore
 
 from loopline.checkpoint_watcher.pack import Packed
 from loopline.checkpoint_watcher.scan import StepDir
-from loopline.common import adapter_retire, bus, subjects
-from loopline.common.job_schemas import AdapterEvent, CheckpointAnnounce
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_schemas import AdapterEvent, CheckpointAnnounce
+from loopline.common.runtime import adapter_retire, bus
 
 log = logging.getLogger(__name__)
 

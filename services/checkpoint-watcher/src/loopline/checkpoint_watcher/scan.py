@@ -4,7 +4,7 @@
     <jobs_dir>/<job_hash>/checkpoints/step-%08d/      complete: the training program renames it in
     <jobs_dir>/<job_hash>/checkpoints/.tmp-step-…/    being written: never looked at
 
-The names are loopline.common.job_layout's. Names starting with "." are someone's work in progress
+The names are loopline.common.contracts.job_layout's. Names starting with "." are someone's work in progress
 (the trainer's .staging-*, the local launcher's .local-runs, the training program's .tmp-* and
 .old-*), and none is a job hash or a checkpoint name. Blocking calls: run them in a thread.
 """
@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from loopline.common.job_hash import is_job_hash
-from loopline.common.job_layout import CHECKPOINTS_DIR, CONFIG_FILE, checkpoint_step
+from loopline.common.contracts.job_hash import is_job_hash
+from loopline.common.contracts.job_layout import CHECKPOINTS_DIR, CONFIG_FILE, checkpoint_step
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The checkpoint-watcher process: connect, answer svc.checkpoint_watcher.status, and turn each
 finished checkpoint in the job directories into an adapter object plus a CHECKPOINTS announcement.
 
-Loops, each its own task under the shared runtime (loopline.common.runtime):
+Loops, each its own task under the shared runtime (loopline.common.runtime.service):
   scan     jobs inotify reported, and every job at each rescan -> announced  (scan_loop.py)
   inotify  changes under the jobs directory -> jobs to scan                  (watch.py)
 
@@ -19,9 +19,9 @@ from loopline.checkpoint_watcher.cursor import Cursors
 from loopline.checkpoint_watcher.scan_loop import ScanLoop
 from loopline.checkpoint_watcher.watch import watch_jobs
 from loopline.checkpoint_watcher.watcher import CheckpointWatcher
-from loopline.common import subjects
-from loopline.common.runtime import Runtime
-from loopline.common.settings import CheckpointWatcherSettings
+from loopline.common.config.settings import CheckpointWatcherSettings
+from loopline.common.contracts import subjects
+from loopline.common.runtime.service import Runtime
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from loopline.common.adapter_format import adapter_type_of
+from loopline.common.contracts.adapter_format import adapter_type_of
 
 # The reference reader refuses headers above 100 MB; ours are a few KB.
 MAX_HEADER_BYTES = 100 * 1024 * 1024

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from watchfiles import Change, awatch
 
-from loopline.common.job_hash import is_job_hash
-from loopline.common.job_layout import CHECKPOINTS_DIR, checkpoint_step
-from loopline.common.runtime import pause
+from loopline.common.contracts.job_hash import is_job_hash
+from loopline.common.contracts.job_layout import CHECKPOINTS_DIR, checkpoint_step
+from loopline.common.runtime.service import pause
 
 log = logging.getLogger(__name__)
 # watchfiles logs every batch of changes at INFO; we log what we do with them instead.

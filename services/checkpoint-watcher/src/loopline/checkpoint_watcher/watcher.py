@@ -21,7 +21,7 @@ from prometheus_client import Counter, Histogram
 from loopline.checkpoint_watcher import pack, publish, scan
 from loopline.checkpoint_watcher.cursor import Cursors, JobCursor
 from loopline.checkpoint_watcher.validate import Rejected
-from loopline.common import adapter_retire
+from loopline.common.runtime import adapter_retire
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """``python -m loopline.gateway`` (and ``loopline-gateway``): the REST API under the shared runtime."""
 
-from loopline.common import runtime
-from loopline.common.settings import GatewaySettings
+from loopline.common.config.settings import GatewaySettings
+from loopline.common.runtime import service as runtime
 from loopline.gateway.service import run
 
 

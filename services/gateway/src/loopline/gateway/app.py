@@ -9,8 +9,8 @@ import logging
 from fastapi import FastAPI
 from opentelemetry import trace
 
-from loopline.common.settings import GatewaySettings
-from loopline.common.telemetry import tracer
+from loopline.common.config.settings import GatewaySettings
+from loopline.common.runtime.telemetry import tracer
 from loopline.gateway.auth.api_keys import ApiKeys
 from loopline.gateway.auth.key_limits import KeyLimits
 from loopline.gateway.auth.key_store import KeyStore

@@ -13,7 +13,7 @@ from fastapi import Request
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from loopline.common.settings import GatewaySettings
+from loopline.common.config.settings import GatewaySettings
 from loopline.gateway.core.adapters import AdapterRegistry
 from loopline.gateway.core.admission import Admission
 from loopline.gateway.core.answers import Answers

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import uvicorn
 from fastapi import FastAPI
 
-from loopline.common.settings import GatewaySettings
+from loopline.common.config.settings import GatewaySettings
 
 # In-flight requests get this long to finish after the stop (then uvicorn cancels them): well
 # inside the runtime's grace period for a loop.

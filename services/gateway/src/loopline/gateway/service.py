@@ -1,6 +1,6 @@
 """The gateway process: connect, build the parts, report as ``loopline-gateway``, serve HTTP.
 
-Loops, each its own task under the shared runtime (loopline.common.runtime):
+Loops, each its own task under the shared runtime (loopline.common.runtime.service):
   http     uvicorn: the OpenAI and ScalarLM routes, /metrics     (http_server.py, http_metrics.py)
   models   MODELS bucket -> the served models, every 2 s         (model_directory.py)
 The rest of the gateway runs on NATS subscriptions (queue state, answers, adapter events), which
@@ -10,9 +10,9 @@ reaches it can be routed.
 
 from __future__ import annotations
 
-from loopline.common import subjects
-from loopline.common.runtime import Runtime
-from loopline.common.settings import GatewaySettings
+from loopline.common.config.settings import GatewaySettings
+from loopline.common.contracts import subjects
+from loopline.common.runtime.service import Runtime
 from loopline.gateway.app import create_app
 from loopline.gateway.core import http_metrics
 from loopline.gateway.gateway import Gateway

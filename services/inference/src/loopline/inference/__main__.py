@@ -9,8 +9,8 @@ import os
 # Leave two cores to the rest of the platform unless the user chose.
 os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) - 2)))
 
-from loopline.common import runtime
-from loopline.common.settings import InferenceSettings
+from loopline.common.config.settings import InferenceSettings
+from loopline.common.runtime import service as runtime
 from loopline.inference.service import run
 
 

@@ -12,8 +12,8 @@ import shutil
 import tarfile
 from pathlib import Path
 
-from loopline.common import adapter_format
-from loopline.common.job_schemas import CheckpointAnnounce
+from loopline.common.contracts import adapter_format
+from loopline.common.contracts.job_schemas import CheckpointAnnounce
 
 ARCHIVE_NAME = "adapter.tar"
 # Where the two files land inside a version's folder; the engine may write beside it (vLLM's copy).

@@ -36,9 +36,10 @@ from nats.js.errors import NotFoundError
 from nats.js.object_store import ObjectStore
 from prometheus_client import Counter, Histogram
 
-from loopline.common import bus, metrics, subjects
-from loopline.common.job_hash import is_job_hash
-from loopline.common.job_schemas import AdapterEvent, CheckpointAnnounce
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_hash import is_job_hash
+from loopline.common.contracts.job_schemas import AdapterEvent, CheckpointAnnounce
+from loopline.common.runtime import bus, metrics
 from loopline.inference.adapter_files import BadArchive, download, unpack
 from loopline.inference.vllm_server import AdapterRejected, VllmServer
 from loopline.ml.adapters import read_adapter_config

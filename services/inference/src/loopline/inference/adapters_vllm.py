@@ -15,8 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from loopline.common import adapter_format
-from loopline.common.adapter_format import FULL_WEIGHTS
+from loopline.common.contracts import adapter_format
+from loopline.common.contracts.adapter_format import FULL_WEIGHTS
 
 # Marker and guard written into a converted Tokenformer folder's adapter_config.json.
 # - ``adapter_type: "tokenformer"`` (our format's own field, kept) is what the plugin reads to know

@@ -1,7 +1,7 @@
 """One inference replica: start vLLM's own OpenAI server in-process, announce the deployment, run the
 worker until told to stop.
 
-Loops, under the shared runtime (loopline.common.runtime):
+Loops, under the shared runtime (loopline.common.runtime.service):
   worker         WORK (this deployment's consumer) -> vLLM's app -> RESULTS, then ack (worker.py)
   adapter-loads  announced checkpoints -> new adapter versions in vLLM           (adapters.py)
 A replica whose worker died serves nothing while it still looks alive, and one whose loader died
@@ -17,10 +17,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from loopline.common import bus, subjects
-from loopline.common.runtime import Runtime
-from loopline.common.schemas import DeploymentInfo
-from loopline.common.settings import InferenceSettings
+from loopline.common.config.settings import InferenceSettings
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import DeploymentInfo
+from loopline.common.runtime import bus
+from loopline.common.runtime.service import Runtime
 from loopline.inference.adapters import AdapterManager
 from loopline.inference.vllm_args import serve_flags
 from loopline.inference.vllm_server import VllmServer

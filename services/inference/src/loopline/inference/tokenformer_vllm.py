@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from loopline.common import adapter_format
+from loopline.common.contracts import adapter_format
 from loopline.ml.adapters.tokenformer import TOKENFORMER_EPS
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from loopline.common.schemas import ErrorInfo
+from loopline.common.contracts.schemas import ErrorInfo
 
 _FINGERPRINT = re.compile(rb'"system_fingerprint":(?:null|"[^"\\]*")')
 # Usage objects nest one level at most (prompt_tokens_details, input_tokens_details).

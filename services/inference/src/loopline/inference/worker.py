@@ -17,9 +17,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from loopline.common import bus, subjects
-from loopline.common.schemas import ErrorInfo, ResultItem, WorkItem, stream_event
-from loopline.common.telemetry import context_from_headers, tracer
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import ErrorInfo, ResultItem, WorkItem, stream_event
+from loopline.common.runtime import bus
+from loopline.common.runtime.telemetry import context_from_headers, tracer
 from loopline.inference.adapters import AdapterManager, AdapterUnavailable, Version
 from loopline.inference.vllm_answers import VersionStamp, error_of, usage_of, with_model
 from loopline.inference.vllm_server import VllmServer

@@ -1,7 +1,7 @@
 """``python -m loopline.queue`` (and ``loopline-queue``): the queue service under the shared runtime."""
 
-from loopline.common import runtime
-from loopline.common.settings import QueueSettings
+from loopline.common.config.settings import QueueSettings
+from loopline.common.runtime import service as runtime
 from loopline.queue.service import run
 
 

@@ -14,9 +14,9 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from loopline.common import subjects
-from loopline.common.runtime import pause
-from loopline.common.schemas import DeploymentLoad, QueueState
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import DeploymentLoad, QueueState
+from loopline.common.runtime.service import pause
 from loopline.queue.deployments import DeploymentDirectory
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,9 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
-from loopline.common import bus, subjects
-from loopline.common.schemas import ErrorInfo, ResultItem, WorkItem
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import ErrorInfo, ResultItem, WorkItem
+from loopline.common.runtime import bus
 
 log = logging.getLogger(__name__)
 

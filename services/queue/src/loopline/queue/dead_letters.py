@@ -18,8 +18,9 @@ from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 from sqlalchemy import Engine
 
-from loopline.common import bus, subjects
-from loopline.common.schemas import ErrorInfo, ResultItem, WorkItem
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import ErrorInfo, ResultItem, WorkItem
+from loopline.common.runtime import bus
 from loopline.queue import ledger
 from loopline.queue.records import DeadLetter, MaxDeliveriesAdvisory
 

@@ -12,7 +12,7 @@ import time
 
 from nats.js import JetStreamContext
 
-from loopline.common import subjects
+from loopline.common.contracts import subjects
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from nats.micro.request import Request
 from nats.micro.service import Service
 from sqlalchemy import Engine
 
-from loopline.common import subjects
-from loopline.common.schemas import ClearQueueReply
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import ClearQueueReply
 from loopline.queue import ledger
 from loopline.queue.admission import Admission
 from loopline.queue.clear import clear_queue

@@ -15,8 +15,8 @@ from dataclasses import asdict
 from sqlalchemy import Engine, Table, case, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
+from loopline.common.contracts.schemas import ResultItem, WorkItem
 from loopline.common.db.rows import BatchRow, DeadLetterRow, RequestRow
-from loopline.common.schemas import ResultItem, WorkItem
 from loopline.queue.records import DeadLetter, LedgerTotals
 
 QUEUED = "queued"

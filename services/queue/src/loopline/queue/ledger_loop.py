@@ -20,9 +20,9 @@ from pydantic import BaseModel, ValidationError
 from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, IntegrityError
 
-from loopline.common import subjects
-from loopline.common.runtime import pause
-from loopline.common.schemas import ResultItem, WorkItem
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import ResultItem, WorkItem
+from loopline.common.runtime.service import pause
 from loopline.queue import ledger
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loopline.common.schemas import QueueMetrics, QueueState
+from loopline.common.contracts.schemas import QueueMetrics, QueueState
 from loopline.queue.records import LedgerTotals
 
 

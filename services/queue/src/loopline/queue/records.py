@@ -1,6 +1,6 @@
 """Internal records the queue service passes between its loops and its SQL writer.
 
-They are neither wire schemas (those live in ``loopline.common.schemas``) nor SQL rows (those live
+They are neither wire schemas (those live in ``loopline.common.contracts.schemas``) nor SQL rows (those live
 in ``loopline.common.db.rows``): a field here can change without touching a message or a table.
 """
 

@@ -1,6 +1,6 @@
 """The queue service process: migrate the ledger, connect, answer svc.queue.*, run the loops.
 
-Loops, each its own task under the shared runtime (loopline.common.runtime):
+Loops, each its own task under the shared runtime (loopline.common.runtime.service):
   ledger-work     WORK    -> requests rows 'queued'         (ledger_loop.py)
   ledger-results  RESULTS -> requests rows completed/failed  (ledger_loop.py)
   deployments     MODELS bucket -> the set of deployments    (deployments.py)
@@ -16,10 +16,11 @@ import asyncio
 import os
 from typing import Any
 
-from loopline.common import metrics, subjects
+from loopline.common.config.settings import QueueSettings
+from loopline.common.contracts import subjects
 from loopline.common.db.engine import migrate, open_database
-from loopline.common.runtime import Runtime
-from loopline.common.settings import QueueSettings
+from loopline.common.runtime import metrics
+from loopline.common.runtime.service import Runtime
 from loopline.queue.admission import Admission
 from loopline.queue.dead_letters import DeadLetters
 from loopline.queue.deployments import DeploymentDirectory

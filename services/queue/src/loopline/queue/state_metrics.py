@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from loopline.common.schemas import QueueState
+from loopline.common.contracts.schemas import QueueState
 
 
 def state_families(state: QueueState | None) -> list[Metric]:

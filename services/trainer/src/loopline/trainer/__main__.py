@@ -1,7 +1,7 @@
 """``python -m loopline.trainer`` (and ``loopline-trainer``): the trainer under the shared runtime."""
 
-from loopline.common import runtime
-from loopline.common.settings import TrainerSettings
+from loopline.common.config.settings import TrainerSettings
+from loopline.common.runtime import service as runtime
 from loopline.trainer.service import run
 
 

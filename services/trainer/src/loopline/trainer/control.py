@@ -20,11 +20,12 @@ from pathlib import Path
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError, ObjectNotFoundError
 
-from loopline.common import adapter_retire, bus, job_env, subjects
-from loopline.common.job_layout import CODE_DIR, DATASET_FILE
-from loopline.common.job_schemas import JobStatus, JobSubmit
-from loopline.common.settings import TrainerSettings
-from loopline.common.train_params import JobConfig, TrainParams
+from loopline.common.config.settings import TrainerSettings
+from loopline.common.contracts import job_env, subjects
+from loopline.common.contracts.job_layout import CODE_DIR, DATASET_FILE
+from loopline.common.contracts.job_schemas import JobStatus, JobSubmit
+from loopline.common.contracts.train_params import JobConfig, TrainParams
+from loopline.common.runtime import adapter_retire, bus
 from loopline.trainer import jobdir, shipped_code
 from loopline.trainer.errors import CodeRefused, InvalidRequest, TrainerError, Unavailable, WrongState
 from loopline.trainer.events import EventPublisher

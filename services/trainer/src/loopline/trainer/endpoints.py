@@ -1,7 +1,7 @@
 """The trainer's request-reply endpoints (nats.micro) on svc.trainer.*, beside the runtime's status.
 
-Requests and replies are the wire types of loopline.common.job_schemas. A refused request is answered
-with nats.micro's error headers, the HTTP status the gateway should use as the code.
+Requests and replies are the wire types of loopline.common.contracts.job_schemas. A refused request is
+answered with nats.micro's error headers, the HTTP status the gateway should use as the code.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from nats.micro.request import Request
 from nats.micro.service import Service
 from pydantic import BaseModel, ValidationError
 
-from loopline.common import subjects
-from loopline.common.job_schemas import (
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_schemas import (
     ClusterInfo,
     JobList,
     JobRef,
@@ -26,7 +26,7 @@ from loopline.common.job_schemas import (
     LogsRequest,
     SqueueReply,
 )
-from loopline.common.tinker_schemas import PlaceModel, TinkerWorkerList
+from loopline.common.contracts.tinker_schemas import PlaceModel, TinkerWorkerList
 from loopline.trainer import jobdir
 from loopline.trainer.control import JobControl
 from loopline.trainer.errors import InvalidRequest, TrainerError, Unavailable

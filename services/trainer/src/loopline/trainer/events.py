@@ -17,8 +17,9 @@ import logging
 from nats.js import JetStreamContext
 from pydantic import ValidationError
 
-from loopline.common import bus, subjects
-from loopline.common.job_schemas import CheckpointInfo, JobEvent, JobStatus
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_schemas import CheckpointInfo, JobEvent, JobStatus
+from loopline.common.runtime import bus
 from loopline.trainer import jobdir
 from loopline.trainer.registry import Job, Registry
 

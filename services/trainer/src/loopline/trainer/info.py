@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from loopline.common.job_layout import CODE_DIR
-from loopline.common.job_schemas import CheckpointInfo, HistoryPoint, JobInfo
+from loopline.common.contracts.job_layout import CODE_DIR
+from loopline.common.contracts.job_schemas import CheckpointInfo, HistoryPoint, JobInfo
 from loopline.trainer import jobdir
 from loopline.trainer.registry import Job
 

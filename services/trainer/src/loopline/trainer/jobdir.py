@@ -1,6 +1,6 @@
 """The job directory: what the trainer writes for a job to run, and reads back while it runs.
 
-The layout and its names are loopline.common.job_layout's; the trainer adds one log per allocation,
+The layout and its names are loopline.common.contracts.job_layout's; the trainer adds one log per allocation,
 ``slurm-<id>.out`` or ``local-<id>.out`` (written by the launcher). A new job's directory is staged
 under a temporary name and renamed into place, so a directory under its hash is always complete.
 Nothing here talks to NATS or SQL.
@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from loopline.common.job_env import JobUser
-from loopline.common.job_layout import (
+from loopline.common.contracts.job_env import JobUser
+from loopline.common.contracts.job_layout import (
     CHECKPOINTS_DIR,
     CODE_DIR,
     CONFIG_FILE,
@@ -30,7 +30,7 @@ from loopline.common.job_layout import (
     STATUS_FILE,
     checkpoint_step,
 )
-from loopline.common.train_params import JobConfig
+from loopline.common.contracts.train_params import JobConfig
 from loopline.trainer.errors import InvalidRequest
 
 MAX_CODE_MEMBERS = 10_000

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loopline.common.model_folders import prepared_folder
+from loopline.common.contracts.model_folders import prepared_folder
 
 
 def resolve_model_path(name: str, models_dir: Path) -> str:

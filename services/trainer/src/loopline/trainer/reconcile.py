@@ -21,9 +21,9 @@ import logging
 import time
 from typing import Any
 
-from loopline.common import bus
-from loopline.common.job_schemas import JobStatus
-from loopline.common.runtime import pause
+from loopline.common.contracts.job_schemas import JobStatus
+from loopline.common.runtime import bus
+from loopline.common.runtime.service import pause
 from loopline.trainer import jobdir
 from loopline.trainer.control import JobControl
 from loopline.trainer.launchers import LauncherError, LaunchState

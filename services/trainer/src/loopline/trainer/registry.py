@@ -20,9 +20,9 @@ from prometheus_client.metrics_core import Metric
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
+from loopline.common.contracts.job_schemas import JobStatus
+from loopline.common.contracts.train_params import TrainParams, canonical
 from loopline.common.db.rows import JobRow
-from loopline.common.job_schemas import JobStatus
-from loopline.common.train_params import TrainParams, canonical
 from loopline.trainer.errors import InvalidRequest, JobNotFound
 
 LATEST = "latest"

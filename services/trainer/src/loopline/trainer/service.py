@@ -1,7 +1,7 @@
 """The trainer service process: migrate the registry, connect, answer svc.trainer.* requests, and
 reconcile the unfinished jobs every ``reconcile_interval_s`` until told to stop.
 
-Loops, under the shared runtime (loopline.common.runtime):
+Loops, under the shared runtime (loopline.common.runtime.service):
   reconcile       registry x job directories x launcher -> rows, runs, job events  (reconcile.py)
   tinker-workers  session workers x launcher -> released or failed, their calls answered
                   (tinker_workers.py)
@@ -18,10 +18,11 @@ import asyncio
 import functools
 import logging
 
-from loopline.common import metrics, subjects
+from loopline.common.config.settings import TrainerSettings
+from loopline.common.contracts import subjects
 from loopline.common.db.engine import migrate, open_database
-from loopline.common.runtime import Runtime
-from loopline.common.settings import TrainerSettings
+from loopline.common.runtime import metrics
+from loopline.common.runtime.service import Runtime
 from loopline.trainer import jobdir
 from loopline.trainer.control import JobControl
 from loopline.trainer.endpoints import Endpoints

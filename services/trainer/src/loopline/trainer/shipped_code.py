@@ -16,7 +16,7 @@ import importlib.util
 import tarfile
 from pathlib import Path, PurePosixPath
 
-from loopline.common.job_layout import CODE_DIR
+from loopline.common.contracts.job_layout import CODE_DIR
 
 # Where a package's files sit inside a shipped ml/: a checkout's layout (ml/src/loopline/ml, as
 # Loopline's own repository has it) or the package at the top (ml/loopline/ml).

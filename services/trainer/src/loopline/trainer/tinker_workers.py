@@ -21,10 +21,9 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from loopline.common import bus, subjects, tinker_names
-from loopline.common.runtime import pause
-from loopline.common.settings import TrainerSettings
-from loopline.common.tinker_schemas import (
+from loopline.common.config.settings import TrainerSettings
+from loopline.common.contracts import subjects, tinker_names
+from loopline.common.contracts.tinker_schemas import (
     FutureResult,
     PlaceModel,
     SessionEvent,
@@ -32,7 +31,9 @@ from loopline.common.tinker_schemas import (
     TinkerModel,
     TinkerWorker,
 )
-from loopline.common.tinker_store import TinkerStore
+from loopline.common.runtime import bus
+from loopline.common.runtime.service import pause
+from loopline.common.runtime.tinker_store import TinkerStore
 from loopline.trainer import jobdir
 from loopline.trainer.errors import Unavailable
 from loopline.trainer.launchers import Launcher, LauncherError, LaunchSpec, LaunchState

@@ -30,7 +30,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from loopline.common.job_hash import Sha256Hex
+from loopline.common.contracts.job_hash import Sha256Hex
 from loopline.gateway.auth.scopes import ADMIN, SCOPES
 
 log = logging.getLogger(__name__)

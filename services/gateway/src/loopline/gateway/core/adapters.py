@@ -20,9 +20,9 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from loopline.common import subjects
-from loopline.common.job_hash import is_job_hash
-from loopline.common.job_schemas import AdapterEvent
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_hash import is_job_hash
+from loopline.common.contracts.job_schemas import AdapterEvent
 
 log = logging.getLogger(__name__)
 

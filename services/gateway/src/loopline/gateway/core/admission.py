@@ -13,8 +13,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 
-from loopline.common import subjects
-from loopline.common.schemas import QueueState
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import QueueState
 from loopline.gateway.core.errors import ApiError
 
 # A queue state older than this is ignored (the queue service is down): admit, JetStream still

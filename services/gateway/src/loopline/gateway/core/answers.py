@@ -18,8 +18,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from loopline.common import subjects
-from loopline.common.schemas import ResultItem
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import ResultItem
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loopline.common.schemas import QUEUED_ROUTES, openai_error
-from loopline.common.service_client import ServiceError
+from loopline.common.contracts.schemas import QUEUED_ROUTES, openai_error
+from loopline.common.runtime.service_client import ServiceError
 
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
           413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
@@ -34,7 +34,7 @@ class ApiError(Exception):
 
 
 def from_service_error(exc: ServiceError) -> ApiError:
-    """A service's refusal or silence (loopline.common.service_client) as the gateway's answer: the
+    """A service's refusal or silence (loopline.common.runtime.service_client) as the gateway's answer: the
     same status and message, and Retry-After when trying again soon may work."""
     retry = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
     return ApiError(exc.status, exc.message, headers=retry)

@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import Counter, Histogram
 from starlette.routing import BaseRoute, Match
 
-from loopline.common import metrics
+from loopline.common.runtime import metrics
 from loopline.gateway.auth.scopes import OPEN
 from loopline.gateway.core.route_spec import declare
 

@@ -26,10 +26,11 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from loopline.common import bus, subjects
-from loopline.common.job_hash import is_job_hash
-from loopline.common.runtime import pause
-from loopline.common.schemas import DeploymentInfo
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_hash import is_job_hash
+from loopline.common.contracts.schemas import DeploymentInfo
+from loopline.common.runtime import bus
+from loopline.common.runtime.service import pause
 from loopline.gateway.core.adapters import AdapterRegistry, ServedAdapter
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.trainer_client import TrainerClient

@@ -24,7 +24,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from loopline.common.schemas import QUEUED_ROUTES
+from loopline.common.contracts.schemas import QUEUED_ROUTES
 from loopline.gateway.auth.scopes import INFERENCE, OPEN, SCOPES
 from loopline.gateway.core.errors import is_openai_path
 from loopline.gateway.core.route_spec import GATEWAY_ERROR, SCOPE

@@ -19,8 +19,8 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from loopline.common import subjects
-from loopline.common.schemas import ResultItem, parse_stream_event
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import ResultItem, parse_stream_event
 
 log = logging.getLogger(__name__)
 

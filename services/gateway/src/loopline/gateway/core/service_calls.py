@@ -1,5 +1,5 @@
 """Calls to the platform's other services over NATS, for the routes that only pass an answer on:
-the queue's request-reply API (svc.queue.metrics and .clear, through loopline.common.service_client
+the queue's request-reply API (svc.queue.metrics and .clear, through loopline.common.runtime.service_client
 like the trainer's), and a census of every running instance of a service (``$SRV.PING.<name>``, for
 /v1/health). The trainer has its own client (trainer_client.py).
 """
@@ -12,8 +12,8 @@ import json
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from loopline.common import subjects
-from loopline.common.service_client import Reply, ServiceClient, ServiceError
+from loopline.common.contracts import subjects
+from loopline.common.runtime.service_client import Reply, ServiceClient, ServiceError
 from loopline.gateway.core.errors import from_service_error
 
 # The queue answers metrics from its last admission state and the ledger's totals.

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from loopline.common.schemas import BatchManifest, WorkItem
+from loopline.common.contracts.schemas import BatchManifest, WorkItem
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.model_directory import Route
 from loopline.gateway.gateway import Gateway

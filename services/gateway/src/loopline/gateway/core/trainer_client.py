@@ -1,7 +1,7 @@
 """The gateway's one way to ask the trainer: its request-reply API (svc.trainer.*), the ``datasets``
 object store, and the job events users follow.
 
-The requests go through loopline.common.service_client, the one client the tests use too: the
+The requests go through loopline.common.runtime.service_client, the one client the tests use too: the
 trainer's refusals (nats.micro error headers, an HTTP status as the code) become the same HTTP
 status here, no trainer running a 503, a trainer too slow a 504.
 """
@@ -18,8 +18,8 @@ from nats.js.errors import ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 from pydantic import BaseModel
 
-from loopline.common import subjects
-from loopline.common.job_schemas import (
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_schemas import (
     ClusterInfo,
     JobInfo,
     JobList,
@@ -29,7 +29,7 @@ from loopline.common.job_schemas import (
     LogsRequest,
     SqueueReply,
 )
-from loopline.common.service_client import Reply, ServiceClient, ServiceError
+from loopline.common.runtime.service_client import Reply, ServiceClient, ServiceError
 from loopline.gateway.core.errors import ApiError, from_service_error
 
 # A submit has the trainer read the dataset back and call sbatch: give it longer than a query.

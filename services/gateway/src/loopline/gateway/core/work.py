@@ -12,8 +12,9 @@ import asyncio
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from loopline.common import bus, subjects
-from loopline.common.schemas import BatchManifest, WorkItem
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import BatchManifest, WorkItem
+from loopline.common.runtime import bus
 from loopline.gateway.core.errors import ApiError
 
 

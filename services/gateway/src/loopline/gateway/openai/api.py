@@ -21,8 +21,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from nats.aio.subscription import Subscription
 
-from loopline.common import subjects
-from loopline.common.schemas import QUEUED_ROUTES, ResultItem, WorkItem
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import QUEUED_ROUTES, ResultItem, WorkItem
 from loopline.gateway.auth.scopes import INFERENCE
 from loopline.gateway.core.answers import Answers
 from loopline.gateway.core.errors import ApiError

@@ -15,8 +15,8 @@ from fastapi import APIRouter, Request, UploadFile
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from loopline.common import subjects
-from loopline.common.schemas import (
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import (
     BatchManifest,
     ClearQueueReply,
     QueueMetrics,

@@ -6,7 +6,7 @@ import asyncio
 
 from fastapi import APIRouter, Request
 
-from loopline.common import subjects
+from loopline.common.contracts import subjects
 from loopline.gateway.auth.scopes import ANY_KEY, OPEN
 from loopline.gateway.core.route_spec import declare
 from loopline.gateway.gateway import gateway_of

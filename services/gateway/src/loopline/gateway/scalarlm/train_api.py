@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 
-from loopline.common import subjects
+from loopline.common.contracts import subjects
 from loopline.gateway.auth.api_keys import api_key_of
 from loopline.gateway.auth.scopes import ADMIN, TRAINING
 from loopline.gateway.core.errors import ApiError

@@ -8,9 +8,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from loopline.common.job_layout import DATASET_FILE
-from loopline.common.job_schemas import HistoryPoint, JobInfo
-from loopline.common.train_params import canonical
+from loopline.common.contracts.job_layout import DATASET_FILE
+from loopline.common.contracts.job_schemas import HistoryPoint, JobInfo
+from loopline.common.contracts.train_params import canonical
 
 # What a job that shipped ml/ code runs (JobInfo.code_origin), said in its job_config.
 ML_CODE_NOTES = {

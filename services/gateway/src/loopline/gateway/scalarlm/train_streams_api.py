@@ -12,8 +12,8 @@ import logging
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from loopline.common import subjects
-from loopline.common.job_schemas import JobEvent, LogLines, LogsRequest
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_schemas import JobEvent, LogLines, LogsRequest
 from loopline.gateway.auth.scopes import TRAINING
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.event_streams import SSE_HEADERS, sse

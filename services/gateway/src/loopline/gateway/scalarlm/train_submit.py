@@ -18,11 +18,11 @@ from typing import IO, Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from loopline.common import training_archive as archives
-from loopline.common.job_hash import job_hash as hash_job
-from loopline.common.job_schemas import JobInfo, JobSubmit
-from loopline.common.settings import GatewaySettings
-from loopline.common.train_params import TrainParams, canonical
+from loopline.common.config.settings import GatewaySettings
+from loopline.common.contracts import training_archive as archives
+from loopline.common.contracts.job_hash import job_hash as hash_job
+from loopline.common.contracts.job_schemas import JobInfo, JobSubmit
+from loopline.common.contracts.train_params import TrainParams, canonical
 from loopline.gateway.auth.api_keys import api_key_of
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.trainer_client import TrainerClient

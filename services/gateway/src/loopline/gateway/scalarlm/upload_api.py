@@ -13,8 +13,8 @@ from fastapi import APIRouter, Request
 from nats.js.errors import NotFoundError
 from pydantic import BaseModel, Field, field_validator
 
-from loopline.common.job_hash import Sha256Hex
-from loopline.common.train_params import TrainParams, canonical
+from loopline.common.contracts.job_hash import Sha256Hex
+from loopline.common.contracts.train_params import TrainParams, canonical
 from loopline.gateway.auth.scopes import TRAINING
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.route_spec import FIELDS, NOT_JSON, TRAINER, declare

@@ -31,7 +31,8 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from nats.js.object_store import ObjectStore
 
-from loopline.common import bus, subjects
+from loopline.common.contracts import subjects
+from loopline.common.runtime import bus
 
 _ID = re.compile(r"^[0-9a-f]{32}$")
 _HASH_BLOCK = 1024 * 1024

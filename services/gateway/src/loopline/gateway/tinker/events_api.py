@@ -18,8 +18,8 @@ import re
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from loopline.common import subjects
-from loopline.common.tinker_schemas import SessionEvent, TinkerModel, TinkerWorker
+from loopline.common.contracts import subjects
+from loopline.common.contracts.tinker_schemas import SessionEvent, TinkerModel, TinkerWorker
 from loopline.gateway.auth.scopes import TRAINING
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.event_streams import SSE_HEADERS, sse

@@ -16,10 +16,11 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from loopline.common import bus, subjects
-from loopline.common.schemas import DeploymentInfo
-from loopline.common.tinker_schemas import FutureResult, Payload, StepCall, TinkerModel
-from loopline.common.tinker_store import TinkerStore
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import DeploymentInfo
+from loopline.common.contracts.tinker_schemas import FutureResult, Payload, StepCall, TinkerModel
+from loopline.common.runtime import bus
+from loopline.common.runtime.tinker_store import TinkerStore
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.model_directory import ModelDirectory
 

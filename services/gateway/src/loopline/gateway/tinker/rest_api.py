@@ -10,8 +10,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from loopline.common import tinker_names
-from loopline.common.tinker_schemas import TinkerCheckpoint, TinkerModel
+from loopline.common.contracts import tinker_names
+from loopline.common.contracts.tinker_schemas import TinkerCheckpoint, TinkerModel
 from loopline.gateway.auth.scopes import ANY_KEY, OPEN, TRAINING
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.route_spec import FIELDS, declare

@@ -17,9 +17,10 @@ from fastapi import APIRouter, Request
 from nats.js.errors import NotFoundError
 from tinker import types as tt
 
-from loopline.common import bus, subjects, tinker_names
-from loopline.common.schemas import ResultItem, WorkItem
-from loopline.common.tinker_schemas import FutureResult, Payload, TinkerSampler
+from loopline.common.contracts import subjects, tinker_names
+from loopline.common.contracts.schemas import ResultItem, WorkItem
+from loopline.common.contracts.tinker_schemas import FutureResult, Payload, TinkerSampler
+from loopline.common.runtime import bus
 from loopline.gateway.auth.scopes import INFERENCE
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.route_spec import BUS, FULL, declare

@@ -19,8 +19,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from tinker import types as tt
 
-from loopline.common import subjects, tinker_names, tinker_proto
-from loopline.common.tinker_schemas import (
+from loopline.common.contracts import subjects, tinker_names, tinker_proto
+from loopline.common.contracts.tinker_schemas import (
     CallKind,
     LoraSpec,
     PlaceModel,

@@ -94,7 +94,7 @@ def make_launchers(choice: str, jobs_dir: Path, *, partition: str | None = None,
                    extra_args: str = "", job_env_allow: str = "") -> tuple[Launcher, dict[str, Launcher]]:
     """The launcher new runs go to, and every launcher by name (a job launched by another one
     before a restart is still followed by its own). ``auto`` is Slurm where a cluster answers.
-    ``job_env_allow`` extends the allowlist of variables a job sees (loopline.common.job_env)."""
+    ``job_env_allow`` extends the allowlist of variables a job sees (loopline.common.contracts.job_env)."""
     from loopline.trainer.launchers.local import LocalLauncher
     from loopline.trainer.launchers.slurm import SlurmLauncher
 

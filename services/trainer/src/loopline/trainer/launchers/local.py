@@ -19,9 +19,9 @@ import threading
 import time
 from pathlib import Path
 
-from loopline.common.job_env import job_environment
-from loopline.common.job_layout import ENTRYPOINT_FILE
-from loopline.common.launcher import process_start_time
+from loopline.common.contracts.job_env import job_environment
+from loopline.common.contracts.job_layout import ENTRYPOINT_FILE
+from loopline.common.local.launcher import process_start_time
 from loopline.trainer import jobdir
 from loopline.trainer.launchers import LauncherError, LaunchSpec, LaunchState
 

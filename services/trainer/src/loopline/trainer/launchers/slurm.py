@@ -13,8 +13,8 @@ import re
 import shlex
 import subprocess
 
-from loopline.common.job_env import job_environment
-from loopline.common.job_layout import ENTRYPOINT_FILE
+from loopline.common.contracts.job_env import job_environment
+from loopline.common.contracts.job_layout import ENTRYPOINT_FILE
 from loopline.trainer import jobdir
 from loopline.trainer.launchers import LauncherError, LaunchSpec, LaunchState
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loopline.common import subjects
+from loopline.common.contracts import subjects
 
 GATEWAY = "gateway"
 QUEUE = "queue"

@@ -27,8 +27,8 @@ from pydantic import (
     model_validator,
 )
 
-from loopline.common.adapter_format import FULL_WEIGHTS, AdapterType
-from loopline.common.job_layout import CONFIG_FILE
+from loopline.common.contracts.adapter_format import FULL_WEIGHTS, AdapterType
+from loopline.common.contracts.job_layout import CONFIG_FILE
 
 # The Llama/Qwen/Mistral projection names: attention and MLP, the usual "all-linear" set.
 TOKENFORMER_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

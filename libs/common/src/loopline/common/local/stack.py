@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from loopline.common import launcher, nats_auth
+from loopline.common.local import launcher
+from loopline.common.runtime import nats_auth
 
 # ``LOOPLINE_<SETTING>__<MODEL KEY>``: a model key never holds two underscores in a row, so the last
 # ``__`` of a variable is where its model key starts.

@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loopline.common import nats_auth
+from loopline.common.runtime import nats_auth
 
 SERVICE_MODULES = {
     "gateway": "loopline.gateway",

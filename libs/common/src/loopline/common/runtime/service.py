@@ -40,10 +40,10 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
 
-from loopline.common import bus, metrics
-from loopline.common.schemas import ServiceStatus
-from loopline.common.settings import CommonSettings
-from loopline.common.telemetry import setup_tracing
+from loopline.common.config.settings import CommonSettings
+from loopline.common.contracts.schemas import ServiceStatus
+from loopline.common.runtime import bus, metrics
+from loopline.common.runtime.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""``python -m loopline.common.up`` (``make up``): the whole platform on this machine.
+"""``python -m loopline.common.local.up`` (``make up``): the whole platform on this machine.
 
 Starts a local nats-server with JetStream, the queue, trainer and checkpoint-watcher services, the
 inference replicas and the gateway, each as its own process, waits until the gateway serves, prints
@@ -17,8 +17,8 @@ import sys
 import time
 from collections.abc import Mapping
 
-from loopline.common.settings import StackSettings
-from loopline.common.stack import LocalStack
+from loopline.common.config.settings import StackSettings
+from loopline.common.local.stack import LocalStack
 
 # `make up` on 127.0.0.1 is one user on their own machine: the ml/ code the scalarlm client ships
 # from their folder is theirs to run (ScalarLM's "edit the loop locally"). Compose and Helm, which

@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from loopline.common.adapter_format import AdapterType
-from loopline.common.job_hash import JobHash, Sha256Hex
-from loopline.common.train_params import CanonicalTrainParams
+from loopline.common.contracts.adapter_format import AdapterType
+from loopline.common.contracts.job_hash import JobHash, Sha256Hex
+from loopline.common.contracts.train_params import CanonicalTrainParams
 
 
 class JobStatus(str, Enum):

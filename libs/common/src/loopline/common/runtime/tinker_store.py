@@ -18,9 +18,9 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 from pydantic import BaseModel
 
-from loopline.common import bus, subjects
-from loopline.common.tinker_names import model_key
-from loopline.common.tinker_schemas import (
+from loopline.common.contracts import subjects
+from loopline.common.contracts.tinker_names import model_key
+from loopline.common.contracts.tinker_schemas import (
     FutureResult,
     Payload,
     TinkerCheckpoint,
@@ -29,6 +29,7 @@ from loopline.common.tinker_schemas import (
     TinkerSession,
     TinkerWorker,
 )
+from loopline.common.runtime import bus
 
 log = logging.getLogger(__name__)
 

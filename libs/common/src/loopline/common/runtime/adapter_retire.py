@@ -24,8 +24,9 @@ import time
 
 from nats.js import JetStreamContext
 
-from loopline.common import bus, subjects
-from loopline.common.job_schemas import AdapterEvent
+from loopline.common.contracts import subjects
+from loopline.common.contracts.job_schemas import AdapterEvent
+from loopline.common.runtime import bus
 
 log = logging.getLogger(__name__)
 

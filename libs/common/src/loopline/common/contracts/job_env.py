@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from loopline.common.settings import TinkerWorkerSettings
+from loopline.common.config.settings import TinkerWorkerSettings
 
 # What any program needs to run: the shell's basics, locale, temp files, the Python environment.
 BASE_NAMES = frozenset({

@@ -3,7 +3,7 @@
 The shared fields live in ``CommonSettings``; each service's object adds its own. Field names map to
 variables by upper-casing them: ``nats_url`` is ``LOOPLINE_NATS_URL``. Every field's
 ``description`` is what the README's configuration table says about it
-(``python -m loopline.common.settings_doc`` prints that table; a test keeps the two equal).
+(``python -m loopline.common.config.settings_doc`` prints that table; a test keeps the two equal).
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ class TrainerSettings(CommonSettings):
         "runs). `make up` turns it on unless set."))
     max_code_bytes: int = Field(default=64 * MiB, description=(
         "The most bytes a job's `ml/` code may unpack to."))
-    # A job sees an allowlist of the trainer's environment (loopline.common.job_env), never its secrets.
+    # A job sees an allowlist of the trainer's environment (contracts/job_env.py), never its secrets.
     job_env_allow: str = Field(default="", description=(
         "More variables a training job may see, comma-separated (`SITE_VAR,SITE_*`: a trailing `*` "
         "is a prefix), beyond the built-in allowlist (PATH, HOME, locale, CUDA/NCCL/torch/HF, the "

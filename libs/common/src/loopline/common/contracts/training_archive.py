@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
 
-from loopline.common.job_layout import CODE_DIR, DATASET_FILE
+from loopline.common.contracts.job_layout import CODE_DIR, DATASET_FILE
 
 # The dataset is spooled to disk beyond this, so a large upload does not sit in memory.
 SPOOL_BYTES = 8 * 1024 * 1024

@@ -34,9 +34,9 @@ from nats.js.api import (
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 from nats.js.object_store import OBJ_ALL_META_PRE_TEMPLATE, OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
-from loopline.common import subjects
-from loopline.common.settings import CommonSettings
-from loopline.common.telemetry import inject_trace_headers
+from loopline.common.config.settings import CommonSettings
+from loopline.common.contracts import subjects
+from loopline.common.runtime.telemetry import inject_trace_headers
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""One typed settings object per service (``LOOPLINE_*``), and the README's table made from them."""
