@@ -80,6 +80,15 @@ def test_start_up_that_raises_exits_1_after_the_cleanups(probe):
     assert "probe: cleanup ran" in log and "serving:" not in log
 
 
+def test_start_up_that_refuses_exits_2_with_its_message_alone(probe):
+    p = probe("start-refused")
+    assert p.exit_code() == 2, p.log
+    log = p.log
+    assert "refuses to start: found engine 9.9, tested with 1.0 only: install 1.0; exiting 2" in log
+    assert "Traceback" not in log and "failed to start" not in log
+    assert "probe: cleanup ran" in log and "serving:" not in log
+
+
 def test_a_signal_during_start_up_stops_it_at_once_with_0(probe):
     p = probe("slow-start")
     p.wait_log("loading for a minute")

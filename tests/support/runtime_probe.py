@@ -82,6 +82,8 @@ async def run(rt: runtime.Runtime, settings: CommonSettings) -> None:
                          status=lambda: {"scenario": scenario})
     if scenario == "start-fails":
         raise ValueError("start-up failed on purpose")
+    if scenario == "start-refused":
+        raise runtime.StartRefused("found engine 9.9, tested with 1.0 only: install 1.0")
     if scenario == "slow-start":
         log.info("probe: loading for a minute")
         await asyncio.sleep(60)

@@ -15,6 +15,8 @@ non-zero, so a process that cannot do its job must exit rather than limp on):
     a loop raises or returns     its traceback is logged, the other loops are stopped as above:
     before it was told to stop   exit 1
     start-up raises              its traceback is logged, cleanups run: exit 1
+    start-up raises StartRefused its message alone is logged (the process cannot work as installed
+                                 or configured; a traceback would bury the why), cleanups run: exit 2
 
 A signal during start-up (a model still loading) cancels start-up: the process does not first
 finish a minute of loading only to stop.
@@ -61,6 +63,9 @@ DRAIN_TIMEOUT_S = 3
 # A loop that dies is a bug or a lost dependency: the process exits with this status.
 EXIT_LOOP_DIED = 1
 EXIT_START_FAILED = 1
+# Distinct from a failure, so a supervisor's log or a test can tell "will not work as installed"
+# from "broke": restarting does not help.
+EXIT_START_REFUSED = 2
 
 S = TypeVar("S", bound=CommonSettings)
 Cleanup = Callable[[], Any]  # sync, or returning an awaitable
@@ -69,6 +74,12 @@ StatusDetail = Callable[[], "dict[str, Any] | Awaitable[dict[str, Any]]"]
 
 class LoopDied(Exception):
     """A loop ended before the service was told to stop."""
+
+
+class StartRefused(Exception):
+    """Raised by start-up when this process cannot do its job as installed or configured (an
+    engine version it is not tested with...): its message must say what was found, what is wanted
+    and what to do, since it is all the runtime logs."""
 
 
 class Runtime:
@@ -239,6 +250,10 @@ class Runtime:
             if not self.stopping.is_set():
                 raise
             log.info("%s %s: stopped during start-up", self.role, self.replica)
+        except StartRefused as exc:
+            log.error("%s %s refuses to start: %s; exiting %d", self.role, self.replica, exc,
+                      EXIT_START_REFUSED)
+            self.exit_code = EXIT_START_REFUSED
         except Exception:
             log.exception("%s %s failed to start; exiting %d", self.role, self.replica, EXIT_START_FAILED)
             self.exit_code = EXIT_START_FAILED
