@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install slurm up lint typecheck test bench tiny-model clean docs
+.PHONY: install slurm up lint typecheck test test-fast bench tiny-model clean docs
 
 install:
 	@scripts/install.sh
@@ -24,6 +24,12 @@ typecheck: install
 
 test: install slurm lint typecheck
 	@$(PY) -m pytest $(PYTEST_ARGS)
+
+# The edit loop: every test but the slow tiers (tests/support/tiers.py; README "Tests"), in a few
+# minutes; no Slurm install, lint or type check. CI runs `make test`.
+FAST := not (stack or slurm or chaos or soak or slow or smollm2 or postgres)
+test-fast: install
+	@$(PY) -m pytest -m "$(FAST)" $(PYTEST_ARGS)
 
 bench: install
 	@$(PY) bench/serving.py

@@ -1,4 +1,6 @@
-"""Fixtures every test package can use: a real nats-server, a real PostgreSQL, a real Slurm."""
+"""Fixtures every test package can use (a real nats-server, a real PostgreSQL, a real Slurm), and the
+tiers: each test is marked by what it starts (README "Tests"), so ``make test-fast`` can leave the
+whole stacks, Slurm, chaos and soak runs to ``make test``."""
 
 from __future__ import annotations
 
@@ -6,9 +8,13 @@ import os
 
 import pytest
 
+from loopline.common.local import launcher
+from loopline.common.runtime import bus
+from support.gateway_process import start_gateway
 from support.nats import nats_server as _nats_server
 from support.postgres import postgres_server
 from support.slurm import slurm_available, slurm_cluster as _slurm_cluster
+from support.tiers import mark_tiers
 
 
 @pytest.fixture
@@ -20,6 +26,31 @@ def nats_server(tmp_path):
 @pytest.fixture
 def nats_url(nats_server):
     return nats_server.info["url"]
+
+
+@pytest.fixture(scope="module")
+def nats_proc(tmp_path_factory):
+    """One nats-server for a whole test module (the gateway's and the CLI's stacks share it)."""
+    with _nats_server(tmp_path_factory.mktemp("nats")) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def lone_gateway(nats_proc, tmp_path_factory):
+    """The gateway as its own process on the module's nats-server, with no other service: for
+    tests that put the records it reads on the bus themselves."""
+    gw = start_gateway(nats_proc.info["url"], tmp_path_factory.mktemp("gateway"))
+    yield gw
+    launcher.stop(gw.proc)
+
+
+@pytest.fixture
+async def nc(nats_url):
+    """A client of the test's nats-server, with Loopline's streams and buckets in place."""
+    conn = await bus.connect(nats_url, "test")
+    await bus.ensure_topology(conn.jetstream())
+    yield conn
+    await conn.close()
 
 
 @pytest.fixture(scope="session")
@@ -40,3 +71,7 @@ def slurm():
         pytest.skip(why)
     with _slurm_cluster() as cluster:
         yield cluster
+
+
+def pytest_collection_modifyitems(config, items):
+    mark_tiers(items)

@@ -24,7 +24,6 @@ from loopline.common.contracts.job_schemas import JobEvent, JobInfo, LogLines, L
 from loopline.common.local import launcher
 from support.bus_view import BusView
 from support.gateway_process import BASE_MODEL, start_gateway
-from support.nats import nats_server
 from support.trainer import TrainerClient
 from support.trainer_process import TrainerProcess
 
@@ -89,12 +88,6 @@ class TrainerView(BusView):
 
     def logs(self, ref: str) -> LogLines:
         return self.ask_trainer(subjects.SVC_TRAINER_LOGS, LogsRequest(job=ref), LogLines)
-
-
-@pytest.fixture(scope="module")
-def nats_proc(tmp_path_factory):
-    with nats_server(tmp_path_factory.mktemp("nats")) as proc:
-        yield proc
 
 
 @pytest.fixture(scope="module")

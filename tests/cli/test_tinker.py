@@ -21,10 +21,8 @@ from support.tinker_records import TinkerBus
 
 
 @pytest.fixture(scope="module")
-def gateway(nats_proc, tmp_path_factory):
-    gw = start_gateway(nats_proc.info["url"], tmp_path_factory.mktemp("gateway"))
-    yield gw
-    launcher.stop(gw.proc)
+def gateway(lone_gateway):
+    return lone_gateway
 
 
 @pytest.fixture(scope="module")

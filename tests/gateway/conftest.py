@@ -13,14 +13,7 @@ import pytest
 from loopline.common.local import launcher
 from support.bus_view import BusView
 from support.gateway_process import BASE_MODEL, start_gateway
-from support.nats import nats_server
 from support.trainer_process import TrainerProcess
-
-
-@pytest.fixture(scope="module")
-def nats_proc(tmp_path_factory):
-    with nats_server(tmp_path_factory.mktemp("nats")) as proc:
-        yield proc
 
 
 @pytest.fixture(scope="module")

@@ -12,17 +12,13 @@ import httpx
 import pytest
 
 from loopline.common.contracts.tinker_schemas import SessionEvent
-from loopline.common.local import launcher
 from support import tinker_records as records
-from support.gateway_process import start_gateway
 from support.tinker_records import BASE, TinkerBus
 
 
 @pytest.fixture(scope="module")
-def gateway(nats_proc, tmp_path_factory):
-    gw = start_gateway(nats_proc.info["url"], tmp_path_factory.mktemp("gateway"))
-    yield gw
-    launcher.stop(gw.proc)
+def gateway(lone_gateway):
+    return lone_gateway
 
 
 @pytest.fixture(scope="module")

@@ -51,14 +51,6 @@ def engine(database_url):
 
 
 @pytest.fixture
-async def nc(nats_url):
-    conn = await bus.connect(nats_url, "queue-test")
-    await bus.ensure_topology(conn.jetstream())
-    yield conn
-    await conn.close()
-
-
-@pytest.fixture
 def js(nc):
     return nc.jetstream()
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from loopline.common.local import launcher
-from loopline.common.runtime import bus
 from support.trainer import TrainerClient
 from support.trainer_process import stop_local_runs, trainer_env, wait_ready
 
@@ -18,14 +17,6 @@ def launcher_kind(request) -> str:
     if request.param == "slurm":
         request.getfixturevalue("slurm")  # skips without Slurm
     return request.param
-
-
-@pytest.fixture
-async def nc(nats_url):
-    conn = await bus.connect(nats_url, "trainer-test")
-    await bus.ensure_topology(conn.jetstream())
-    yield conn
-    await conn.close()
 
 
 @pytest.fixture

@@ -1,0 +1,37 @@
+"""The test tiers, as markers put on each collected test by what it starts, so that no test has to
+remember its tier and a new one lands in the right one (the markers are listed in pyproject.toml and
+README "Tests"):
+
+- ``stack``: a whole platform (tests/e2e: nats-server, the five services, vLLM) or ``make up``;
+- ``slurm``: the private Slurm cluster (the ``slurm`` fixture, or a ``launcher_kind`` of slurm);
+- ``chaos`` and ``soak``: processes killed at random under load, and the soak run;
+- ``slow``: a test that takes long on its own (marked by hand where it is written);
+- ``smollm2`` and ``postgres``: the real SmolLM2 model, a PostgreSQL server (marked where written).
+
+``make test-fast`` deselects all of them; ``make test`` (CI) runs everything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parents[1]
+# Every marker that puts a test outside the fast tier.
+SLOW_TIERS = ("stack", "slurm", "chaos", "soak", "slow", "smollm2", "postgres")
+
+
+def mark_tiers(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = Path(str(item.path)).resolve()
+        parts = path.relative_to(TESTS).parts if path.is_relative_to(TESTS) else ()
+        if parts[:1] == ("e2e",):
+            item.add_marker(pytest.mark.stack)
+        if path.name.startswith("test_chaos"):
+            item.add_marker(pytest.mark.chaos)
+        if path.name == "test_soak.py":
+            item.add_marker(pytest.mark.soak)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "slurm" in getattr(item, "fixturenames", ()) or params.get("launcher_kind") == "slurm":
+            item.add_marker(pytest.mark.slurm)
