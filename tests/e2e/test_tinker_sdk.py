@@ -26,7 +26,8 @@ EXAMPLES = [
     {"input": "coding wizard", "output": "oding-cay izard-way"},
 ]
 # The README's loop takes 6 steps at 1e-4 on an 8B+ model; the tiny random model needs more, larger
-# steps to memorise (ENVIRONMENT.md: ~50 AdamW steps at 1e-2). Only these two numbers differ.
+# steps to memorise (it learns 3 prompt-completion pairs exactly in ~50 AdamW steps at 1e-2, about
+# 1 s on this CPU). Only these two numbers differ.
 STEPS, LEARNING_RATE = 40, 1e-2
 
 

@@ -140,7 +140,8 @@ class TinkerStore:
         if payload.blob is None:
             return payload.inline_bytes()
         assert self._blobs is not None, "start() first"
-        # writeinto: nats-py's in-memory get copies quadratically (ENVIRONMENT.md).
+        # writeinto: nats-py's in-memory get copies a big object quadratically (it joins the chunks
+        # onto one bytes object as they arrive); writing into a buffer keeps it linear.
         buffer = io.BytesIO()
         await self._blobs.get(payload.blob, writeinto=buffer)
         return buffer.getvalue()
