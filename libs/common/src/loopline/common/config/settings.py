@@ -317,3 +317,8 @@ class StackSettings(CommonSettings):
         "characters `_`)"))
     inference_replicas: int = Field(default=1, description=(
         "Inference processes to start per model (`LOOPLINE_INFERENCE_REPLICAS__<MODEL KEY>` for one)."))
+    # What the stack gives its trainer and checkpoint-watcher, and where it finds the local runs
+    # it stops at the end: the stack must know it, not only pass it on.
+    jobs_path: Path | None = Field(default=None, validation_alias="LOOPLINE_JOBS_DIR",
+                                   json_schema_extra=unset_means("`$LOOPLINE_STATE_DIR/jobs`"),
+                                   description=JOBS_DIR_DESCRIPTION)

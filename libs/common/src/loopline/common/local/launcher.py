@@ -52,10 +52,28 @@ class Proc:
             return ""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing is bound to at ``host`` now (the kernel's pick)."""
+    with socket.socket(_family(host)) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on ``host:port`` now. Bound as nats-server and uvicorn bind,
+    with SO_REUSEADDR: a port whose last connections linger in TIME_WAIT is free to them, one that
+    something listens on (at that address, or at all of them) is not."""
+    with socket.socket(_family(host)) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
 
 
 def nats_server_binary() -> str:

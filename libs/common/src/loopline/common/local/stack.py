@@ -101,9 +101,11 @@ def plan_deployments(models: str, replicas: int, environ: Mapping[str, str]) -> 
 class LocalStack:
     def __init__(self, state_dir: Path, model: str, *, host: str = "127.0.0.1", port: int | None = None,
                  nats_port: int | None = None, nats_monitor_port: int | None = None, replicas: int = 1,
-                 env: dict[str, str] | None = None, models_dir: Path | None = None, nats_auth: bool = False):
+                 env: dict[str, str] | None = None, models_dir: Path | None = None,
+                 jobs_dir: Path | None = None, nats_auth: bool = False):
         self.state_dir = Path(state_dir).resolve()
         self.models_dir = Path(models_dir).resolve() if models_dir else self.state_dir / "models"
+        self.jobs_dir = Path(jobs_dir).resolve() if jobs_dir else self.state_dir / "jobs"
         self.model = model
         self.host = host
         self.port = port or launcher.free_port()
@@ -134,10 +136,6 @@ class LocalStack:
     @property
     def logs(self) -> Path:
         return self.state_dir / "logs"
-
-    @property
-    def jobs_dir(self) -> Path:
-        return self.state_dir / "jobs"
 
     @property
     def default_model(self) -> str:

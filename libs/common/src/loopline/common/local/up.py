@@ -7,6 +7,11 @@ controller answers, else to a local process per job; their directories are under
 ``<state dir>/jobs``, where the checkpoint-watcher picks up their checkpoints. ``LOOPLINE_MODEL`` may
 name several models, each a deployment of its own (stack.py says how to set one deployment's flags).
 On 127.0.0.1 a job's own ``ml/`` code is allowed unless ``LOOPLINE_ALLOW_USER_CODE`` says otherwise.
+
+Ports: the gateway's (8000), NATS's client (4222) and monitoring (8222) ports are their defaults
+while nothing listens there; a default that is taken (another ``make up``) moves to a free port, one
+the user set stays as set. Every port is printed before the start. The processes' metrics ports are
+free ones unless ``LOOPLINE_METRICS_PORT`` turns them off.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import time
 from collections.abc import Mapping
 
 from loopline.common.config.settings import StackSettings
+from loopline.common.local import launcher
 from loopline.common.local.stack import LocalStack
 
 # `make up` on 127.0.0.1 is one user on their own machine: the ml/ code the scalarlm client ships
@@ -25,6 +31,7 @@ from loopline.common.local.stack import LocalStack
 # serve many users, leave it off.
 LOCAL_DEFAULTS = {"LOOPLINE_ALLOW_USER_CODE": "true"}
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+PORT_NAMES = {"port": "gateway", "nats_port": "NATS", "nats_monitor_port": "NATS monitoring"}
 
 
 def stack_defaults(host: str, environ: Mapping[str, str]) -> dict[str, str]:
@@ -34,13 +41,46 @@ def stack_defaults(host: str, environ: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in LOCAL_DEFAULTS.items() if name not in environ}
 
 
+def stack_ports(settings: StackSettings) -> tuple[dict[str, int], list[str]]:
+    """The ports the stack binds, by StackSettings field (``port``, ``nats_port``,
+    ``nats_monitor_port``), and what to print about them: a port the user set as set (taken, its
+    server's start fails and says so), a default while free, else a free one."""
+    hosts = {"port": settings.host, "nats_port": "127.0.0.1", "nats_monitor_port": "127.0.0.1"}
+    ports, said = {}, []
+    for field, host in hosts.items():
+        wanted: int = getattr(settings, field)
+        ports[field] = wanted
+        if field not in settings.model_fields_set and not launcher.port_free(host, wanted):
+            ports[field] = launcher.free_port(host)
+        moved = f" ({wanted} is taken)" if ports[field] != wanted else ""
+        said.append(f"{PORT_NAMES[field]} {host}:{ports[field]}{moved}")
+    return ports, said
+
+
+def refusal(settings: StackSettings) -> str | None:
+    """Why the stack cannot run with these settings, or None."""
+    if settings.metrics_port > 0:
+        # One value for every process the stack starts: all but the first would fail to bind it.
+        return (f"LOOPLINE_METRICS_PORT={settings.metrics_port} would give every process of the stack "
+                "one port: leave it unset (each picks a free one, listed in /v1/health) or set -1 (off)")
+    return None
+
+
 def main() -> int:
     settings = StackSettings()
+    if why := refusal(settings):
+        print(f"loopline up: {why}", file=sys.stderr)
+        return 2
+    if "nats_url" in settings.model_fields_set:
+        print(f"loopline up: LOOPLINE_NATS_URL={settings.nats_url} is not used: `make up` runs its own "
+              "nats-server (LOOPLINE_NATS_PORT and LOOPLINE_NATS_MONITOR_PORT set its ports)",
+              file=sys.stderr)
+    ports, said = stack_ports(settings)
     try:
-        stack = LocalStack(settings.state_dir, settings.model, host=settings.host, port=settings.port,
-                           nats_port=settings.nats_port, nats_monitor_port=settings.nats_monitor_port,
-                           replicas=settings.inference_replicas,
-                           env=stack_defaults(settings.host, os.environ))
+        stack = LocalStack(settings.state_dir, settings.model, host=settings.host, port=ports["port"],
+                           nats_port=ports["nats_port"], nats_monitor_port=ports["nats_monitor_port"],
+                           replicas=settings.inference_replicas, models_dir=settings.models_path,
+                           jobs_dir=settings.jobs_path, env=stack_defaults(settings.host, os.environ))
     except ValueError as exc:  # the models and their per-deployment settings do not fit together
         print(f"loopline up: {exc}", file=sys.stderr)
         return 2
@@ -52,8 +92,9 @@ def main() -> int:
     try:
         served = ", ".join(f"{d.served_name} ({d.replicas} replica{'s' * (d.replicas != 1)})"
                            for d in stack.deployments)
-        print(f"starting Loopline with {served} (first start prepares the model; logs in "
-              f"{stack.logs}) …", flush=True)
+        print(f"ports: {', '.join(said)}", flush=True)
+        print(f"starting Loopline with {served} (first start prepares the model into "
+              f"{stack.models_dir}; logs in {stack.logs}) …", flush=True)
         stack.start()
         print(f"\nLoopline is up: {stack.url}   (Ctrl-C stops everything)\n", flush=True)
         # Invariant: every process we started is alive; if one dies, report it and stop the rest.
