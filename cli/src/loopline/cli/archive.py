@@ -15,7 +15,7 @@ import os
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO
 
 # loopline.common.contracts.job_layout.DATASET_FILE, which this HTTP-only package does not install
 # (tests/common/test_contracts.py checks the two agree).
@@ -119,7 +119,7 @@ def _ml_entries(ml_dir: Path) -> list[tuple[str, Path]]:
     return sorted(entries)
 
 
-def pack(dataset: Path, out: BinaryIO, ml_dir: Path | None = None) -> None:
+def pack(dataset: Path, out: IO[bytes], ml_dir: Path | None = None) -> None:
     """Write the deterministic tar.gz of ``dataset`` (and ``ml_dir`` as ``ml/``) to ``out``."""
     # gzip's header holds a name and an mtime: both fixed here, which tarfile's "w:gz" cannot do.
     with (gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0, compresslevel=6) as gz,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 import httpx
 
@@ -180,7 +180,7 @@ class Gateway:
 
     # -- routes --------------------------------------------------------------------------------
 
-    def submit(self, archive: BinaryIO, params: dict[str, Any]) -> dict[str, Any]:
+    def submit(self, archive: IO[bytes], params: dict[str, Any]) -> dict[str, Any]:
         files = {"file": ("dataset", archive, "application/gzip")}
         # Uploads can be large and the server hashes them before answering.
         return self._json("POST", "/v1/megatron/train", files=files, data={"params": json.dumps(params)},

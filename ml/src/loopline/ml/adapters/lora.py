@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # PEFT is imported where it is used, so that the other adapter kinds do without it
+    from peft import LoraConfig
+    from torch.nn.modules.module import _IncompatibleKeys
 
 ADAPTER_NAME = "default"  # PEFT's name for a model's only adapter; it never appears on disk
 
@@ -19,7 +23,8 @@ def add_lora(model: nn.Module, *, r: int, lora_alpha: float, lora_dropout: float
 
     config = LoraConfig(
         r=r,
-        lora_alpha=lora_alpha,
+        # PEFT annotates lora_alpha as int but only divides it by r; our contract's alpha is a float.
+        lora_alpha=lora_alpha,  # type: ignore[arg-type]
         lora_dropout=lora_dropout,
         target_modules=target_modules,
         bias="none",  # vLLM serves no LoRA biases
@@ -41,7 +46,9 @@ def lora_state_dict(peft_model: nn.Module) -> dict[str, torch.Tensor]:
 def load_lora_tensors(peft_model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     from peft.utils import set_peft_model_state_dict
 
-    result = set_peft_model_state_dict(peft_model, tensors, adapter_name=ADAPTER_NAME)
+    # PEFT annotates its result as `namedtuple` (the factory, not a type); it is the result of torch's
+    # Module.load_state_dict, which it returns as it is.
+    result: _IncompatibleKeys = set_peft_model_state_dict(peft_model, tensors, adapter_name=ADAPTER_NAME)
     if result.unexpected_keys:
         raise ValueError(f"LoRA tensors that fit no module of the model: {result.unexpected_keys[:5]}")
     lora_missing = [k for k in result.missing_keys if ".lora_" in k]
@@ -51,6 +58,10 @@ def load_lora_tensors(peft_model: nn.Module, tensors: dict[str, torch.Tensor]) -
 
 def lora_config_dict(peft_model: nn.Module) -> dict[str, Any]:
     """The adapter_config.json content PEFT itself writes (target modules resolved to names)."""
+    from peft import PeftModel
+
+    if not isinstance(peft_model, PeftModel):
+        raise TypeError(f"a LoRA config comes from a PEFT model, not a {type(peft_model).__name__}")
     config = peft_model.peft_config[ADAPTER_NAME]
     out = {}
     for key, value in config.to_dict().items():  # PEFT's own: drops the runtime-only fields
@@ -63,7 +74,7 @@ def lora_config_dict(peft_model: nn.Module) -> dict[str, Any]:
     return out
 
 
-def lora_config_from_dict(data: dict[str, Any]):
+def lora_config_from_dict(data: dict[str, Any]) -> LoraConfig:
     """A ``LoraConfig`` from an adapter_config.json, ignoring fields PEFT does not know (ours)."""
     from peft import LoraConfig
 

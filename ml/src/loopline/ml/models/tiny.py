@@ -122,7 +122,7 @@ def build_tiny_model(out_dir: Path) -> Path:
         pad_token_id=ids[ENDOFTEXT],
     )
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).float()
     model.generation_config = GenerationConfig(
         bos_token_id=ids[IM_START], eos_token_id=ids[IM_END], pad_token_id=ids[ENDOFTEXT]
     )

@@ -73,7 +73,7 @@ def build_tiny_embed_model(out_dir: Path) -> Path:
     torch.manual_seed(SEED)
     # With BERT's pooler layer, so that transformers' AutoModel finds every weight it builds;
     # vLLM skips it (its CLS pooling reads the last hidden state).
-    model = BertModel(config).to(torch.float32)
+    model = BertModel(config).float()
     with atomic_output_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

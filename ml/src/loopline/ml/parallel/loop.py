@@ -93,7 +93,8 @@ def run_job(job_dir: Path, config: ParallelJobConfig, reporter: JobReporter | No
     if eos_id is None:
         raise ValueError(f"{config.model_path}: the tokenizer has no EOS token")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    max_len = p.max_seq_len or getattr(hf_config, "max_position_embeddings", 2048)
+    max_len = (p.max_seq_len if p.max_seq_len is not None
+               else getattr(hf_config, "max_position_embeddings", 2048))
     examples = [tokenize(tokenizer, row, eos_id, max_len) for row in read_rows(job_dir / DATASET_FILE)]
 
     model = TensorParallelLlama(hf_config, dtype)
@@ -135,7 +136,7 @@ def run_job(job_dir: Path, config: ParallelJobConfig, reporter: JobReporter | No
         started = time.perf_counter()
         micro = stream.take(p.batch_size * p.gradient_accumulation_steps)
         batches = [collate(micro[i:i + p.batch_size], pad_id) for i in range(0, len(micro), p.batch_size)]
-        lr = scheduler.get_last_lr()[0]
+        lr = float(scheduler.get_last_lr()[0])  # torch allows tensor learning rates; ours is a number
         result = train_step(model, batches, optimizer, p.gradient_clip_value, device)
         scheduler.step()
         step += 1

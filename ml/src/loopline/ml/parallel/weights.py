@@ -67,7 +67,7 @@ def gather_hf_state_dict(model: TensorParallelLlama) -> dict[str, torch.Tensor]:
     out = {}
     for name, param in model.named_parameters():
         shard = model.shards[name]
-        pieces = [param]
+        pieces: list[torch.Tensor] = [param]
         if shard.dim is not None and model.tp > 1:
             pieces = [torch.empty_like(param) for _ in range(model.tp)]
             dist.all_gather(pieces, param.detach().contiguous(), group=model.tp_group)

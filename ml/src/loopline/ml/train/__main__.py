@@ -73,7 +73,9 @@ def run_program(job_dir: Path, run_job: RunJob | None = None) -> int:
     from .status import JobReporter
 
     if run_job is None:
-        from .loop import run_job
+        from .loop import run_job as training_loop
+
+        run_job = training_loop
 
     reporter = JobReporter(job_dir)
     try:

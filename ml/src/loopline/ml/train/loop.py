@@ -111,7 +111,9 @@ def load_model_and_data(config: JobConfig, job_dir: Path, device: torch.device, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-    model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).to(device)
+    # transformers wraps PreTrainedModel.to in functools.wraps, whose type mypy does not bind as a
+    # method: it takes the device for `self`.
+    model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).to(device)  # type: ignore[arg-type]
     model.config.use_cache = False  # no KV cache in training: it only costs memory
     eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
     if isinstance(eos_id, list):
@@ -119,7 +121,8 @@ def load_model_and_data(config: JobConfig, job_dir: Path, device: torch.device, 
     if eos_id is None:
         raise ValueError(f"{config.model_path}: the tokenizer has no EOS token")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    max_len = config.params.max_seq_len or getattr(model.config, "max_position_embeddings", 2048)
+    max_len = (config.params.max_seq_len if config.params.max_seq_len is not None
+               else getattr(model.config, "max_position_embeddings", 2048))
     rows = read_rows(job_dir / DATASET_FILE)
     return model, [tokenize(tokenizer, row, eos_id, max_len) for row in rows], pad_id
 
@@ -217,7 +220,7 @@ def run_job(job_dir: Path, config: JobConfig, reporter: JobReporter,
         started = time.perf_counter()
         micro = run.stream.take(p.batch_size * p.gradient_accumulation_steps)
         batches = [collate(micro[i:i + p.batch_size], pad_id) for i in range(0, len(micro), p.batch_size)]
-        lr = run.scheduler.get_last_lr()[0]
+        lr = float(run.scheduler.get_last_lr()[0])  # torch allows tensor learning rates; ours is a number
         result = train_step(model, batches, optimizer, trainable, p.gradient_clip_value, device)
         run.scheduler.step()  # also on a skipped step, so the schedule stays tied to the step number
         run.step += 1
