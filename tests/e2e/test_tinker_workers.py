@@ -76,7 +76,7 @@ def worker_pid(worker_id: str) -> int:
         if not proc.name.isdigit():
             continue
         try:
-            if b"loopline.ml.tinker" in (proc / "cmdline").read_bytes() and \
+            if b"loopline.tinker_worker" in (proc / "cmdline").read_bytes() and \
                     needle in (proc / "environ").read_bytes().split(b"\0"):
                 return int(proc.name)
         except OSError:

@@ -7,9 +7,11 @@ import uuid
 
 import numpy as np
 import pytest
+from tinker.types import Datum
 
-from loopline.ml.tinker.training import ResidentBase, TrainingClients
-from loopline.ml.tinker.types import Datum
+from loopline.tinker_worker.training import ResidentBase, TrainingClients
+from support.stacks import tiny_model
+from support.tinker_data import make_datum
 
 # What the tiny model memorises (tests/ml/conftest.py's PAIRS, as Tinker SFT data).
 PAIRS = [
@@ -17,6 +19,11 @@ PAIRS = [
     ("Name a colour.", " Blue, like the sky."),
     ("Say hello.", " Hello there!"),
 ]
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> str:
+    return tiny_model()
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +54,7 @@ def sft_datum(tokenizer, prompt: str, completion: str) -> Datum:
     prompt_ids = tokenizer.encode(prompt)
     full = prompt_ids + tokenizer.encode(completion) + [tokenizer.eos_token_id]
     weights = np.array([0.0] * (len(prompt_ids) - 1) + [1.0] * (len(full) - len(prompt_ids)), np.float32)
-    return Datum(full[:-1], {"target_tokens": np.array(full[1:], np.int64), "weights": weights})
+    return make_datum(full[:-1], {"target_tokens": np.array(full[1:], np.int64), "weights": weights})
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from tinker.types import Datum
 
-from loopline.ml.tinker.losses import LOSSES, check_data, resolve
-from loopline.ml.tinker.types import Datum, UserError
+from loopline.tinker_worker.losses import LOSSES, check_data, resolve
+from loopline.tinker_worker.types import UserError
+from support.tinker_data import make_datum
 
 
 def _run(name: str, lp: list[float], s: list[float], adv: list[float], config: dict | None = None):
@@ -82,7 +84,7 @@ def test_bad_loss_or_config_is_a_user_error(loss_fn, config, message):
 
 
 def _datum(n: int = 3, **inputs) -> Datum:
-    return Datum(list(range(1, n + 1)), {k: np.asarray(v) for k, v in inputs.items()})
+    return make_datum(list(range(1, n + 1)), {k: np.asarray(v) for k, v in inputs.items()})
 
 
 @pytest.mark.parametrize(("loss_fn", "datum", "message"), [
@@ -95,7 +97,7 @@ def _datum(n: int = 3, **inputs) -> Datum:
     ("cross_entropy", _datum(target_tokens=[1, 2]), "has shape (2,)"),
     ("cross_entropy", _datum(target_tokens=[1, 2, 5000]), "[0, 1024)"),
     ("cross_entropy", _datum(target_tokens=[1, 2, 3], weights=[1.0, float("nan"), 1.0]), "finite"),
-    ("cross_entropy", Datum([], {}), "no tokens"),
+    ("cross_entropy", make_datum([], {}), "no tokens"),
 ])
 def test_bad_inputs_are_user_errors_naming_the_input(loss_fn, datum, message):
     with pytest.raises(UserError) as caught:

@@ -8,12 +8,14 @@ import json
 import numpy as np
 import pytest
 import torch
+from tinker.types import AdamParams
 
 from loopline.common.contracts.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from loopline.common.contracts.tinker_names import LORA_FILE, OPTIMIZER_FILE
 from loopline.common.contracts.tinker_schemas import LoraSpec
 from loopline.ml.adapters.io import apply_adapter, read_adapter_config
-from loopline.ml.tinker.types import AdamParams, UserError
+from loopline.tinker_worker.types import UserError
+from support.tinker_data import inputs_of, tokens_of
 
 SPEC = LoraSpec(rank=8, seed=5)  # attention, MLP and lm_head (the tied unembedding)
 STEP = AdamParams(learning_rate=1e-2)
@@ -52,8 +54,8 @@ def test_saved_adapter_is_a_peft_lora_with_the_same_logprobs(clients, new_id, sf
     ours = _logprobs(clients, model, sft_data)
     for datum, logprobs in zip(sft_data, ours, strict=True):
         with torch.no_grad():
-            logits = peft(torch.tensor([datum.tokens])).logits[0]
-        targets = torch.from_numpy(datum.inputs["target_tokens"])[:, None]
+            logits = peft(torch.tensor([tokens_of(datum)])).logits[0]
+        targets = torch.from_numpy(inputs_of(datum)["target_tokens"])[:, None]
         expected = torch.log_softmax(logits, -1).gather(1, targets)[:, 0]
         np.testing.assert_allclose(logprobs, expected, atol=1e-4)
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tinker.types import AdamParams, Datum
 
 from loopline.common.contracts.tinker_schemas import LoraSpec
-from loopline.ml.tinker.batching import micro_batches
-from loopline.ml.tinker.types import AdamParams, Datum, UserError
+from loopline.tinker_worker.batching import micro_batches
+from loopline.tinker_worker.types import UserError
+from support.tinker_data import inputs_of, make_datum, tokens_of
 
 SPEC = LoraSpec(rank=8, seed=3)
 
@@ -25,8 +27,8 @@ def _base_logprobs(tiny_path, datum: Datum) -> np.ndarray:
 
     model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = model(torch.tensor([datum.tokens])).logits[0]
-    targets = torch.from_numpy(datum.inputs["target_tokens"])
+        logits = model(torch.tensor([tokens_of(datum)])).logits[0]
+    targets = torch.from_numpy(inputs_of(datum)["target_tokens"])
     return torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0].numpy()
 
 
@@ -39,11 +41,12 @@ def test_cross_entropy_of_a_fresh_adapter_is_the_base_models(clients, new_id, sf
         base = _base_logprobs(tiny_path, datum)
         assert output["logprobs"].dtype == np.float32 and output["logprobs"].shape == base.shape
         np.testing.assert_allclose(output["logprobs"], base, atol=1e-4)
-        expected += float(-(base * datum.inputs["weights"]).sum())
+        expected += float(-(base * inputs_of(datum)["weights"]).sum())
     assert set(result.metrics) == {"loss:sum"}
     assert result.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
     # No weights at all means weight 1 on every token.
-    unweighted = [Datum(d.tokens, {"target_tokens": d.inputs["target_tokens"]}) for d in sft_data]
+    unweighted = [make_datum(tokens_of(d), {"target_tokens": inputs_of(d)["target_tokens"]})
+                  for d in sft_data]
     total = clients.forward_backward(model, unweighted, "cross_entropy", forward_only=True)
     every_token = -sum(float(o["logprobs"].sum()) for o in result.outputs)
     assert total.metrics["loss:sum"] == pytest.approx(every_token, rel=1e-5)
@@ -53,7 +56,8 @@ def test_zero_weights_give_zero_loss_and_no_update(clients, new_id, sft_data):
     model = new_id()
     clients.create(model, SPEC)
     before = _logprobs(clients, model, sft_data)
-    zero = [Datum(d.tokens, {**d.inputs, "weights": np.zeros_like(d.inputs["weights"])}) for d in sft_data]
+    zero = [make_datum(tokens_of(d), {**inputs_of(d), "weights": np.zeros_like(inputs_of(d)["weights"])})
+            for d in sft_data]
     assert clients.forward_backward(model, zero, "cross_entropy").metrics["loss:sum"] == 0.0
     metrics = clients.optim_step(model, AdamParams(learning_rate=1e-2))
     assert metrics["grad_norm:mean"] == 0.0
@@ -119,15 +123,16 @@ def test_seed_decides_the_initial_adapter(clients, new_id, sft_data):
 
 def test_advantage_sign_sets_the_direction_of_rl_losses(clients, new_id, sft_data):
     datum = sft_data[0]
-    n = len(datum.tokens)
+    n = len(tokens_of(datum))
     sampled = _logprobs(clients, _fresh(clients, new_id), [datum])[0]
     losses = (("importance_sampling", None), ("ppo", None), ("cispo", None), ("dro", {"beta": 0.1}))
     for loss_fn, config in losses:
         moved = []
         for sign in (1.0, -1.0):
             model = _fresh(clients, new_id)
-            rl = Datum(datum.tokens, {"target_tokens": datum.inputs["target_tokens"], "logprobs": sampled,
-                                      "advantages": np.full(n, sign, np.float32)})
+            rl = make_datum(tokens_of(datum), {"target_tokens": inputs_of(datum)["target_tokens"],
+                                               "logprobs": sampled,
+                                               "advantages": np.full(n, sign, np.float32)})
             clients.forward_backward(model, [rl], loss_fn, config)
             clients.optim_step(model, AdamParams(learning_rate=1e-3))
             moved.append(float((_logprobs(clients, model, [datum])[0] - sampled).sum()))

@@ -16,7 +16,7 @@ from loopline.common.config.settings import TinkerWorkerSettings
 from loopline.common.contracts.tinker_schemas import TinkerWorker
 from loopline.common.runtime import bus
 from loopline.common.runtime.tinker_store import TinkerStore
-from loopline.ml.tinker.worker import SessionWorker
+from loopline.tinker_worker.worker import SessionWorker
 
 WORKER_ID = "w-heartbeat"
 # nats-py's JetStream requests (a KV read among them) give up after 5 s by default.

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tinker import types as tt
 from torch import Tensor
 
 from .losses import TARGETS, Loss, fill_value
-from .types import Datum
 
 # The logits of a micro-batch (tokens x vocab, float32) are its largest tensor, and their gradient
 # doubles it: budget about 1 GiB for them. The tiny model (vocab 1024) fits 262k tokens, a
@@ -59,11 +59,11 @@ class Batch:
         return self.attention_mask.bool()
 
 
-def build(indices: list[int], data: list[Datum], arrays: list[dict[str, np.ndarray]], loss: Loss,
+def build(indices: list[int], data: list[tt.Datum], arrays: list[dict[str, np.ndarray]], loss: Loss,
           config: dict[str, float], device: torch.device) -> Batch:
     """Right padding: with a causal model a real token never attends to a pad after it, so each row
     computes exactly what it would alone."""
-    lengths = [len(data[i].tokens) for i in indices]
+    lengths = [data[i].model_input.length for i in indices]
     rows, width = len(indices), max(lengths)
     ids = np.zeros((rows, width), dtype=np.int64)
     attention = np.zeros((rows, width), dtype=np.int64)
@@ -71,7 +71,7 @@ def build(indices: list[int], data: list[Datum], arrays: list[dict[str, np.ndarr
     keys = [k for k in (*loss.required, *loss.optional) if k != TARGETS]
     inputs = {k: np.zeros((rows, width), dtype=np.float32) for k in keys}
     for row, (i, n) in enumerate(zip(indices, lengths, strict=True)):
-        ids[row, :n] = data[i].tokens
+        ids[row, :n] = data[i].model_input.to_ints()
         attention[row, :n] = 1
         targets[row, :n] = arrays[i][TARGETS]
         for key in keys:

@@ -23,7 +23,6 @@ from tinker import types as tt
 from loopline.common.config.settings import TinkerWorkerSettings
 from loopline.common.contracts import tinker_names
 from loopline.common.contracts.job_layout import CHECKPOINTS_DIR, checkpoint_name
-from loopline.common.contracts.tinker_proto import decode_forward_backward, encode_forward_backward_output
 from loopline.common.contracts.tinker_schemas import (
     FutureResult,
     Payload,
@@ -34,15 +33,16 @@ from loopline.common.contracts.tinker_schemas import (
     TinkerSampler,
 )
 from loopline.common.runtime.tinker_store import TinkerStore
-from loopline.ml.tinker.saves import (
+from loopline.tinker_worker.proto import decode_forward_backward, encode_forward_backward_output
+from loopline.tinker_worker.saves import (
     NotAnnounced,
     folder_bytes,
     wait_announced,
     write_sampler_checkpoint,
     write_state,
 )
-from loopline.ml.tinker.training import TrainingClients
-from loopline.ml.tinker.types import AdamParams, Datum, UserError
+from loopline.tinker_worker.training import TrainingClients
+from loopline.tinker_worker.types import UserError
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +85,10 @@ class Calls:
 
     async def _forward_backward(self, call: StepCall, model: TinkerModel) -> FutureResult:
         assert call.proto is not None, "forward_backward carries its protobuf body"
-        request = decode_forward_backward(await self.store.unpack(call.proto), None)
-        data = [Datum(tokens=d.tokens, inputs=d.inputs) for d in request.data]
-        result = await asyncio.to_thread(self.clients.forward_backward, model.model_id, data, request.loss_fn,
-                                         request.loss_fn_config, request.forward_only)
+        # The one parse of this body: the gateway read only its routing fields.
+        request = decode_forward_backward(await self.store.unpack(call.proto))
+        result = await asyncio.to_thread(self.clients.forward_backward, model.model_id, request.data,
+                                         request.loss_fn, request.loss_fn_config, request.forward_only)
         if not request.forward_only:
             loss = result.metrics.get("loss:sum", 0.0)
             self._loss[model.model_id] = self._loss.get(model.model_id, 0.0) + loss
@@ -101,10 +101,7 @@ class Calls:
         params = body.optim_params
         if not isinstance(params, tt.AdamParams):
             raise UserError("only AdamW is supported here (adam_params)")
-        adam = AdamParams(learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2,
-                          eps=params.eps, weight_decay=params.weight_decay,
-                          grad_clip_norm=params.grad_clip_norm)
-        metrics = await asyncio.to_thread(self.clients.optim_step, model.model_id, adam)
+        metrics = await asyncio.to_thread(self.clients.optim_step, model.model_id, params)
         self.emit(SessionEvent(worker_id=model.worker_id, kind="step", model_id=model.model_id,
                                base_model=model.base_model, step=self.clients.step_count(model.model_id),
                                loss=self._loss.pop(model.model_id, None)))

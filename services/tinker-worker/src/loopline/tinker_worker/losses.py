@@ -27,9 +27,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from tinker import types as tt
 from torch import Tensor
 
-from .types import Datum, UserError
+from .types import UserError
 
 TARGETS = "target_tokens"
 PerToken = Callable[[Tensor, dict[str, Tensor], dict[str, float]], Tensor]
@@ -114,31 +115,31 @@ def resolve(loss_fn: str, loss_fn_config: Mapping[str, Any] | None) -> tuple[Los
     return loss, config
 
 
-def check_data(loss: Loss, data: list[Datum], vocab_size: int,
+def check_data(loss: Loss, data: list[tt.Datum], vocab_size: int,
                max_tokens: int | None) -> list[dict[str, np.ndarray]]:
     """Each datum's inputs as arrays of the right dtype and length; UserError on the first fault."""
     if not data:
         raise UserError("forward_backward needs at least one datum")
     checked = []
     for i, datum in enumerate(data):
-        n = len(datum.tokens)
+        n = datum.model_input.length
         if n == 0:
             raise UserError(f"datum {i}: model_input has no tokens")
         if max_tokens is not None and n > max_tokens:
             raise UserError(f"datum {i}: {n} tokens, more than the model's {max_tokens}")
-        tokens = np.asarray(datum.tokens)
+        tokens = np.asarray(datum.model_input.to_ints())
         if tokens.dtype.kind not in "iu" or tokens.min() < 0 or tokens.max() >= vocab_size:
             raise UserError(f"datum {i}: model_input tokens must be ids in [0, {vocab_size})")
-        unknown = sorted(set(datum.inputs) - set(loss.required) - set(loss.optional))
+        unknown = sorted(set(datum.loss_fn_inputs) - set(loss.required) - set(loss.optional))
         if unknown:
             raise UserError(f"datum {i}: {loss.name} takes no input(s) {unknown}; it takes "
                             f"{', '.join([*loss.required, *loss.optional])}")
-        missing = [k for k in loss.required if k not in datum.inputs]
+        missing = [k for k in loss.required if k not in datum.loss_fn_inputs]
         if missing:
             raise UserError(f"datum {i}: {loss.name} needs loss_fn_inputs {missing}")
         arrays = {}
-        for key, value in datum.inputs.items():
-            array = np.asarray(value)
+        for key, value in datum.loss_fn_inputs.items():
+            array = value.to_numpy()
             if array.shape != (n,):
                 raise UserError(f"datum {i}: loss_fn_inputs[{key!r}] has shape {array.shape}, the "
                                 f"model input has {n} tokens: it must be ({n},)")

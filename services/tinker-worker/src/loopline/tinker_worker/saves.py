@@ -94,8 +94,8 @@ async def wait_announced(nc: NATS, js: JetStreamContext, base_model: str, adapte
     rejected = await nc.subscribe(subjects.adapter_event(adapter_hash, "rejected"), cb=on_msg)
     try:
         try:
-            msg = await js.get_last_msg(subjects.CHECKPOINTS_STREAM, subject)
-            found = CheckpointAnnounce.model_validate_json(msg.data or b"")
+            last = await js.get_last_msg(subjects.CHECKPOINTS_STREAM, subject)
+            found = CheckpointAnnounce.model_validate_json(last.data or b"")
             if found.step == step:
                 return found
         except NotFoundError:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tinker import types as tt
 from torch import nn
 from torch.nn import functional as F
 
@@ -27,7 +28,7 @@ from loopline.ml.adapters.io import read_tensors, write_adapter
 from . import adapter_files, lora_layers
 from .batching import build, default_micro_batch_tokens, micro_batches
 from .losses import check_data, resolve
-from .types import AdamParams, Datum, PassResult, UserError
+from .types import PassResult, UserError
 
 
 class ResidentBase:
@@ -120,7 +121,7 @@ class TrainingClients:
         return client
 
     # --- passes ----------------------------------------------------------------------------------
-    def forward_backward(self, model_id: str, data: list[Datum], loss_fn: str,
+    def forward_backward(self, model_id: str, data: list[tt.Datum], loss_fn: str,
                          loss_fn_config: dict[str, Any] | None = None,
                          forward_only: bool = False) -> PassResult:
         """The loss summed over every target token of every datum; unless ``forward_only``, its
@@ -139,7 +140,7 @@ class TrainingClients:
             try:
                 # Invariant: total and outputs hold the datums of the groups done so far, and the
                 # client's gradients have had exactly their part added.
-                for group in micro_batches([len(d.tokens) for d in data], self.micro_batch_tokens):
+                for group in micro_batches([d.model_input.length for d in data], self.micro_batch_tokens):
                     batch = build(group, data, arrays, loss, config, self.base.device)
                     with torch.set_grad_enabled(not forward_only):
                         logits = self.base.model(input_ids=batch.input_ids,
@@ -162,7 +163,7 @@ class TrainingClients:
                 lora_layers.set_active(self.layers, None)
         return PassResult(outputs, {"loss:sum": total})
 
-    def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
+    def optim_step(self, model_id: str, params: tt.AdamParams) -> dict[str, float]:
         """One AdamW step on the gradients accumulated since the last, then clears them."""
         _check_adam(params)
         with self._lock:
@@ -234,7 +235,7 @@ class TrainingClients:
                 raise
 
 
-def _check_adam(params: AdamParams) -> None:
+def _check_adam(params: tt.AdamParams) -> None:
     values = {"learning_rate": params.learning_rate, "beta1": params.beta1, "beta2": params.beta2,
               "eps": params.eps, "weight_decay": params.weight_decay, "grad_clip_norm": params.grad_clip_norm}
     bad = [k for k, v in values.items() if not math.isfinite(v) or v < 0]

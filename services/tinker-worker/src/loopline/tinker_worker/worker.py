@@ -8,7 +8,10 @@ the gateway in: forward_backward chunks sent in parallel accumulate in the same 
 
 Loops, under the shared runtime:
   calls      fetch, order by (model, seq_id), run, store the result, ack; release idle clients
-  heartbeat  the worker's record: alive, which models it holds
+  heartbeat  the worker's record: alive, which models it holds; each model's last request time
+A model's record is read once, at its first call here (what a call needs of it does not change),
+and written when it changes: released, or a last request time newer than the one recorded (at
+most once a heartbeat, not after every call).
 A worker whose clients have all been released exits 0: the trainer then marks it released.
 """
 
@@ -27,12 +30,12 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from loopline.common.config.settings import TinkerWorkerSettings
 from loopline.common.contracts import subjects
-from loopline.common.contracts.tinker_schemas import SessionEvent, StepCall
+from loopline.common.contracts.tinker_schemas import SessionEvent, StepCall, TinkerModel
 from loopline.common.runtime import bus
 from loopline.common.runtime.service import Runtime, pause
 from loopline.common.runtime.tinker_store import TinkerStore
-from loopline.ml.tinker.calls import Calls
-from loopline.ml.tinker.training import TrainingClients
+from loopline.tinker_worker.calls import Calls
+from loopline.tinker_worker.training import TrainingClients
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,8 @@ class ModelQueue:
     waiting: dict[int, tuple[StepCall, Msg]] = field(default_factory=dict)
     stalled_since: float | None = None  # when a later call began waiting for a missing one
     last_used: float = field(default_factory=time.monotonic)
+    model: TinkerModel | None = None  # its record, once read and found to be on this worker
+    last_request_at: float = 0.0  # wall time its last call finished (the record's is older or equal)
 
 
 class SessionWorker:
@@ -145,19 +150,20 @@ class SessionWorker:
     async def _run(self, call: StepCall, msg: Msg) -> None:
         queue = self.queues.setdefault(call.model_id, ModelQueue())
         queue.last_used = self.idle_since = time.monotonic()
-        model = await patiently(lambda: self.store.model(call.model_id), "reading the model record")
-        if model is None or model.worker_id != self.settings.tinker_worker_id:
-            log.error("dropping %s for %s: no such model on this worker", call.kind, call.model_id)
-            await msg.ack()
-            return
-        result = await self.calls.run(call, model)
+        if queue.model is None:
+            model = await patiently(lambda: self.store.model(call.model_id), "reading the model record")
+            if model is None or model.worker_id != self.settings.tinker_worker_id:
+                log.error("dropping %s for %s: no such model on this worker", call.kind, call.model_id)
+                await msg.ack()
+                return
+            queue.model = model
+        result = await self.calls.run(call, queue.model)
+        queue.last_request_at = time.time()
         if result is None:  # finished in the background; acked there
             self._spawn_ack_later(call, msg)
             return
         await self.store.finish(result)  # retried through NATS outages (publish_durable)
         await msg.ack()
-        model.last_request_at = time.time()
-        await patiently(lambda: self.store.put_model(model), "recording the model's last request")
 
     def _spawn_ack_later(self, call: StepCall, msg: Msg) -> None:
         finish = self.calls.pending.pop(call.request_id)
@@ -190,8 +196,9 @@ class SessionWorker:
 
     # --- heartbeat and events ---------------------------------------------------------------------
     async def heartbeat_loop(self, stopping: asyncio.Event) -> None:
-        # Invariant: the worker's record says it is ready, with the models it holds, as of the last
-        # beat NATS answered (at most heartbeat_s ago while it answers).
+        # Invariant: the worker's record says it is ready, with the models it holds, and each active
+        # model's record holds its last request time, as of the last beat NATS answered (at most
+        # heartbeat_s ago while it answers).
         while True:
             try:
                 await self._beat()
@@ -206,10 +213,25 @@ class SessionWorker:
 
     async def _beat(self) -> None:
         worker = await self.store.worker(self.settings.tinker_worker_id)
-        if worker is not None and worker.state in ("starting", "ready"):
-            worker.state, worker.heartbeat_at = "ready", time.time()
-            worker.models = sorted(self.queues)
-            await self.store.put_worker(worker)
+        if worker is None or worker.state not in ("starting", "ready"):
+            return  # the trainer has ended this worker: its records are the trainer's now
+        worker.state, worker.heartbeat_at = "ready", time.time()
+        worker.models = sorted(self.queues)
+        await self.store.put_worker(worker)
+        for queue in list(self.queues.values()):
+            if queue.model is not None and queue.last_request_at > queue.model.last_request_at:
+                await self._record_last_request(queue)
+
+    async def _record_last_request(self, queue: ModelQueue) -> None:
+        assert queue.model is not None
+        # Read again before writing: the trainer may have failed the model meanwhile, and a copy
+        # from its first call must not undo that.
+        model = await self.store.model(queue.model.model_id)
+        if model is None or model.state != "active" or model.worker_id != self.settings.tinker_worker_id:
+            return
+        model.last_request_at = queue.last_request_at
+        await self.store.put_model(model)
+        queue.model = model
 
     def emit(self, event: SessionEvent) -> None:
         js = self.rt.js

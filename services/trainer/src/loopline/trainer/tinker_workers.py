@@ -94,7 +94,7 @@ class SessionWorkers:
                "LOOPLINE_REPLICA_ID": worker.worker_id[:12],
                "LOOPLINE_METRICS_PORT": "0"}
         program = (shlex.split(settings.tinker_worker_command) if settings.tinker_worker_command
-                   else [sys.executable, "-m", "loopline.ml.tinker"])
+                   else [sys.executable, "-m", "loopline.tinker_worker"])
         await asyncio.to_thread(jobdir.write_entrypoint, folder, program, user_code=False, env=env)
         spec = LaunchSpec(worker.worker_id, folder, 1, time_limit_s=int(settings.max_train_time_s))
         # The record first: the worker reads it at start, and a crash after the submit leaves a

@@ -247,7 +247,7 @@ class TrainerSettings(CommonSettings):
         "A Tinker training client idle this long is released (its state is lost unless saved); a "
         "session worker left with none exits, freeing its Slurm allocation."))
     tinker_worker_command: str | None = Field(default=None, description=(
-        "Replaces `python -m loopline.ml.tinker` in a session worker's entrypoint."))
+        "Replaces `python -m loopline.tinker_worker` in a session worker's entrypoint."))
 
     @property
     def jobs_dir(self) -> Path:

@@ -2,16 +2,15 @@
 
 Replicas store every result in RESULTS under ``results.<group>.<index>``, so any gateway can answer
 for any request; they also publish it on core NATS, which is how a waiting gateway hears it at once.
-Core messages are lost while NATS reconnects: waiters look what they may have missed up in the store.
-(OpenAI requests hear their results through answers.py instead; they use the look-ups below.)
+Core messages are lost while NATS reconnects: waiters look what they may have missed up in the store
+(arrivals.py). (OpenAI requests hear their results through answers.py instead; they use the look-ups
+below.)
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -21,11 +20,9 @@ from nats.js.errors import NotFoundError
 
 from loopline.common.contracts import subjects
 from loopline.common.contracts.schemas import ResultItem, parse_stream_event
+from loopline.gateway.core.arrivals import Arrivals
 
 log = logging.getLogger(__name__)
-
-# While waiting, results we may have missed (a NATS reconnect drops core messages) are looked up.
-RECHECK_S = 1.0
 
 
 class Results:
@@ -68,8 +65,7 @@ class ResultWaiter:
     def __init__(self, results: Results, group: str):
         self.results = results
         self.group = group
-        self.found: dict[int, ResultItem] = {}
-        self._arrived = asyncio.Event()
+        self.arrivals: Arrivals[int, ResultItem] = Arrivals(lambda index: results.lookup(group, index))
         self._sub: Subscription | None = None
 
     async def open(self) -> None:
@@ -77,40 +73,12 @@ class ResultWaiter:
 
     async def _on_msg(self, msg: Msg) -> None:
         result = ResultItem.model_validate_json(msg.data)
-        self.found.setdefault(result.index, result)
-        self._arrived.set()
-
-    async def fill_from_store(self, indices: Iterable[int]) -> None:
-        missing = [i for i in indices if i not in self.found]
-        found = await asyncio.gather(*(self.results.lookup(self.group, i) for i in missing))
-        for i, result in zip(missing, found, strict=True):
-            if result is not None:
-                self.found.setdefault(i, result)
+        self.arrivals.heard(result.index, result)
 
     async def wait(self, indices: list[int], timeout_s: float, *,
                    stored_first: bool) -> dict[int, ResultItem]:
         """Return the results of ``indices`` available within ``timeout_s``."""
-        wanted = set(indices)
-        if stored_first:
-            await self.fill_from_store(wanted)
-        deadline = time.monotonic() + timeout_s
-        next_check = time.monotonic() + RECHECK_S
-        # Invariant: self.found holds every result seen so far; we return as soon as it covers
-        # every wanted index, or when the deadline passes.
-        while not wanted.issubset(self.found):
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            if now >= next_check:
-                await self.fill_from_store(wanted)
-                next_check = now + RECHECK_S
-                continue
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), timeout=min(deadline, next_check) - now)
-            except TimeoutError:
-                pass
-        return {i: self.found[i] for i in wanted if i in self.found}
+        return await self.arrivals.wait(indices, timeout_s, stored_first=stored_first)
 
     async def close(self) -> None:
         if self._sub is not None:

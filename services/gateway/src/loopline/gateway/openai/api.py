@@ -11,9 +11,8 @@ version stamp of an adapter answer (``system_fingerprint``: ``<job hash>@<step>`
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,6 +24,7 @@ from loopline.common.contracts import subjects
 from loopline.common.contracts.schemas import QUEUED_ROUTES, ResultItem, WorkItem
 from loopline.gateway.auth.scopes import INFERENCE
 from loopline.gateway.core.answers import Answers
+from loopline.gateway.core.arrivals import Arrivals
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.openapi_docs import route_docs
 from loopline.gateway.core.results import Results
@@ -154,43 +154,41 @@ async def _relay_stream(events: _Events, first: tuple[int, bytes] | ResultItem) 
 
 
 class _Events:
-    """A request's stream events and its result, in arrival order."""
+    """A request's stream events and then its result, each once."""
 
     def __init__(self, answers: Answers, results: Results, group: str, rid: str):
         self.answers = answers  # where the result arrives
         self.stored = results  # where a result missed in a reconnect is found, and the streams
         self.group, self.rid = group, rid
-        self.queue: asyncio.Queue[tuple[int, bytes] | ResultItem] = asyncio.Queue()
-        self.result: ResultItem | None = None
+        self.stream_events: deque[tuple[int, bytes]] = deque()
+        # The result (index 0 of its group): heard through answers, or found in RESULTS.
+        self.result: Arrivals[int, ResultItem] = Arrivals(lambda index: results.lookup(group, index))
+        self.result_given = False
         self.sub: Subscription | None = None
         self.reply_to: str | None = None  # set by open()
 
     async def open(self, *, stream: bool) -> None:
         """Listen before the work is published, so that no answer can arrive unheard."""
-        self.reply_to = self.answers.expect(self.group, self._on_result)
+        self.reply_to = self.answers.expect(self.group, lambda result: self.result.heard(0, result))
         if stream:
-            self.sub = await self.stored.follow_stream(self.rid, self.queue.put_nowait)
+            self.sub = await self.stored.follow_stream(self.rid, self._on_event)
 
-    def _on_result(self, result: ResultItem) -> None:
-        if self.result is None:
-            self.result = result
-            self.queue.put_nowait(result)
+    def _on_event(self, event: tuple[int, bytes]) -> None:
+        self.stream_events.append(event)
+        self.result.wake()
 
     async def next(self, timeout_s: float) -> tuple[int, bytes] | ResultItem | None:
-        """The next event; ``None`` means nothing came for ``timeout_s`` (a keep-alive is due)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return await asyncio.wait_for(self.queue.get(), timeout=min(1.0, deadline - time.monotonic()))
-            except TimeoutError:
-                # A NATS reconnect drops core messages: look a missing result up in the stream.
-                if self.result is None:
-                    found = await self.stored.lookup(self.group, 0)
-                    if found is not None:
-                        self._on_result(found)
-                        continue
-                if time.monotonic() >= deadline:
-                    return None
+        """The next event, stream events before the result; ``None`` means nothing came for
+        ``timeout_s`` (a keep-alive is due), or the result has been given already."""
+        if not self.stream_events and not self.result_given:
+            # Nothing is stored yet when the request has just been published: listen first.
+            await self.result.wait([0], timeout_s, stored_first=False, until=lambda: bool(self.stream_events))
+        if self.stream_events:
+            return self.stream_events.popleft()
+        if 0 in self.result.found and not self.result_given:
+            self.result_given = True
+            return self.result.found[0]
+        return None
 
     async def cancel(self) -> None:
         try:

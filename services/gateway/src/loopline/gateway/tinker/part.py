@@ -9,7 +9,6 @@ answer any future.
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 from nats.aio.client import Client as NATS
@@ -21,11 +20,9 @@ from loopline.common.contracts.schemas import DeploymentInfo
 from loopline.common.contracts.tinker_schemas import FutureResult, Payload, StepCall, TinkerModel
 from loopline.common.runtime import bus
 from loopline.common.runtime.tinker_store import TinkerStore
+from loopline.gateway.core.arrivals import Arrivals
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.model_directory import ModelDirectory
-
-# While a poll waits, a result whose core message was lost (NATS reconnecting) is looked up.
-RECHECK_S = 1.0
 
 
 def _absolute(name: str) -> str:
@@ -91,28 +88,15 @@ class TinkerPart:
     # --- futures ----------------------------------------------------------------------------------
     async def wait(self, request_id: str, timeout_s: float) -> FutureResult | None:
         """The future's result, waiting up to ``timeout_s`` for it; None if not done by then."""
-        arrived: asyncio.Queue[bytes] = asyncio.Queue()
+        arrivals: Arrivals[str, FutureResult] = Arrivals(self.store.result)
 
         async def on_msg(msg: Msg) -> None:
-            arrived.put_nowait(msg.data)
+            arrivals.heard(request_id, FutureResult.model_validate_json(msg.data))
 
         # Listen first, then look in the store: a result stored between the two is heard.
         sub = await self.nc.subscribe(subjects.tinker_future(request_id), cb=on_msg)
         try:
-            deadline = time.monotonic() + timeout_s
-            # Invariant: no result for request_id was stored before the last look-up.
-            while True:
-                found = await self.store.result(request_id)
-                if found is not None:
-                    return found
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                try:
-                    data = await asyncio.wait_for(arrived.get(), timeout=min(left, RECHECK_S))
-                except TimeoutError:
-                    continue
-                return FutureResult.model_validate_json(data)
+            return (await arrivals.wait([request_id], timeout_s)).get(request_id)
         finally:
             await sub.unsubscribe()
 

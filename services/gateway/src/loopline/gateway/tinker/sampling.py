@@ -23,7 +23,7 @@ from typing import Any
 
 from tinker import types as tt
 
-from loopline.common.contracts.tinker_proto import SampledSeq, StopReason, encode_sample_response
+from loopline.gateway.tinker.proto import SampledSeq, StopReason, encode_sample_response
 
 _FINISH_REASONS: dict[str, StopReason] = {"stop": "stop", "length": "length"}
 TOKEN_ID_PREFIX = "token_id:"

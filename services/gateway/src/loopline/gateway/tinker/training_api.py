@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from tinker import types as tt
 
-from loopline.common.contracts import subjects, tinker_names, tinker_proto
+from loopline.common.contracts import subjects, tinker_names
 from loopline.common.contracts.tinker_schemas import (
     CallKind,
     LoraSpec,
@@ -32,6 +32,7 @@ from loopline.gateway.auth.scopes import ANY_KEY, TRAINING
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.route_spec import TRAINER, declare
 from loopline.gateway.gateway import gateway_of
+from loopline.gateway.tinker import proto
 from loopline.gateway.tinker.bodies import json_object, parse
 from loopline.gateway.tinker.sampling_api import wait_sample
 from loopline.gateway.tinker.statuses import BODY, CALL, MODEL, SESSION
@@ -153,10 +154,10 @@ async def forward_backward(request: Request) -> dict[str, Any]:
     if request.headers.get("content-type", "").split(";")[0].strip() != PROTO:
         raise ApiError(415, f"forward_backward takes a protobuf body ({PROTO}), as tinker>=0.25 sends")
     try:
-        # zstd undone here, once: the worker gets the plain protobuf.
-        data = tinker_proto.request_body(await request.body(), request.headers.get("content-encoding"),
-                                         gateway.settings.max_body_bytes)
-        model_id, seq_id = tinker_proto.peek_forward_backward(data)
+        # zstd undone here, once, and only the routing fields read: the worker parses the rest.
+        data = proto.request_body(await request.body(), request.headers.get("content-encoding"),
+                                  gateway.settings.max_body_bytes)
+        model_id, seq_id = proto.route_of(data)
     except ValueError as exc:
         raise ApiError(400, f"not a ForwardBackwardRequest: {exc}") from None
     model = await gateway.tinker.model(model_id)
