@@ -20,19 +20,16 @@ from loopline.common.contracts import subjects
 from loopline.common.contracts.schemas import ServiceStatus
 from loopline.common.runtime import adapter_retire, bus
 from loopline.ml.train.checkpoint import latest_checkpoint
-from support.stacks import make_stack
 
 RECIPE = {"max_steps": 6, "learning_rate": 1e-2, "batch_size": 3, "gradient_accumulation_steps": 1,
           "steps_per_checkpoint": 3, "adapter_type": "lora"}
 
 
 @pytest.fixture(scope="module")
-def retire_stack(tmp_path_factory, tiny):
-    s = make_stack(tmp_path_factory.mktemp("retire-stack"), tiny, LOOPLINE_LAUNCHER="local",
-                   LOOPLINE_RECONCILE_INTERVAL_S="0.25")
-    s.start()
-    yield s
-    s.stop()
+def retire_stack(tinker_stack):
+    """The session's stack with local jobs reconciled often (conftest.py): retiring one job's
+    adapter leaves the stack as it was for the others."""
+    return tinker_stack
 
 
 def held(stack, job: str) -> dict:

@@ -29,7 +29,6 @@ import pytest
 from openai import AsyncOpenAI
 
 from support.forced_adapters import ForcedAdapters, write_checkpoint, write_job_config
-from support.stacks import make_stack
 
 IN_FLIGHT = 32
 NEW_CHECKPOINTS = 10
@@ -52,11 +51,10 @@ class Answer:
 
 
 @pytest.fixture(scope="module")
-def load_stack(tmp_path_factory, tiny):
-    s = make_stack(tmp_path_factory.mktemp("adapter-load"), tiny)
-    s.start()
-    yield s
-    s.stop()
+def load_stack(stack):
+    """The session's serving stack (conftest.py): a new job's checkpoints change nothing the other
+    tests read."""
+    return stack
 
 
 def step_of(fingerprint: str | None, job: str) -> int:
