@@ -217,6 +217,8 @@ def test_only_the_roles_that_clear_or_delete_purge_a_stream():
         roles.permissions("admin")
 
 
+# Tier: a whole stack under NATS auth.
+@pytest.mark.stack
 def test_the_stack_serves_with_each_service_under_its_own_credentials(tmp_path):
     """The real services (queue, trainer, checkpoint-watcher, a replica, the gateway) with NATS
     authentication on, as compose and Helm run it: they start, answer a request, streamed and not,

@@ -22,6 +22,9 @@ from loopline.common.local.launcher import free_port
 from loopline.common.local.up import refusal, stack_defaults
 from support.stacks import MODELS_DIR, tiny_model
 
+# Tier: each test runs make up's whole stack.
+pytestmark = pytest.mark.stack
+
 # StackSettings' defaults: what another `make up` (or a NATS of one's own) already listens on.
 DEFAULT_PORTS = {name: StackSettings.model_fields[name].default
                  for name in ("port", "nats_port", "nats_monitor_port")}

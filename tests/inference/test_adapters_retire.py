@@ -30,8 +30,10 @@ from loopline.common.contracts import subjects
 from loopline.common.runtime import adapter_retire
 from support.checkpoints import announce_checkpoint
 
+# Tier: a real vLLM engine per module, 10-20 s to start.
 pytestmark = [pytest.mark.asyncio(loop_scope="module"),
-              pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed")]
+              pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed"),
+              pytest.mark.slow]
 
 
 async def wait_until(condition, timeout_s: float = 30.0) -> None:

@@ -37,8 +37,10 @@ from support.checkpoints import announce_checkpoint
 from support.nats import nats_server
 from support.stacks import tiny_model
 
+# Tier: a real vLLM engine per module, 10-20 s to start.
 pytestmark = [pytest.mark.asyncio(loop_scope="module"),
-              pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed")]
+              pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed"),
+              pytest.mark.slow]
 
 # The deployment's served name: the base model the checkpoints adapt, and a base request's "model".
 BASE = "tiny"

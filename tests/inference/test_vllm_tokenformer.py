@@ -24,6 +24,9 @@ from loopline.common.contracts.adapter_format import CONFIG_FILE
 from support.greedy import greedy_completions
 from support.stacks import tiny_model
 
+# Tier: a real vLLM engine per module, 10-20 s to start.
+pytestmark = pytest.mark.slow
+
 # The server is started once for the module, so its tests share the module's event loop.
 on_module_loop = pytest.mark.asyncio(loop_scope="module")
 needs_vllm = pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed")

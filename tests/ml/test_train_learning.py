@@ -13,6 +13,9 @@ from loopline.common.contracts.adapter_format import FROZEN_BASE_TYPES
 from loopline.ml.train.checkpoint import latest_checkpoint
 from support.greedy import greedy_texts
 
+# Tier: trains until the adapter answers, 20-60 s each.
+pytestmark = pytest.mark.slow
+
 
 def test_base_model_does_not_know_the_answers(jobs):
     outs = greedy_texts(jobs.model, [q for q, _ in jobs.pairs])

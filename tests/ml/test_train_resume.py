@@ -18,6 +18,9 @@ from loopline.common.contracts.job_layout import CHECKPOINTS_DIR, EVENTS_FILE, S
 from loopline.ml.adapters.io import read_tensors
 from loopline.ml.train.checkpoint import latest_checkpoint, list_checkpoints
 
+# Tier: two full training runs per adapter type, ~150 s each on this machine.
+pytestmark = pytest.mark.slow
+
 MAX_STEPS = 40
 PARAMS = {"max_steps": MAX_STEPS, "steps_per_checkpoint": 6, "max_checkpoints_to_keep": 20,
           "batch_size": 1, "gradient_accumulation_steps": 4, "learning_rate": 5e-3, "seed": 7,
