@@ -41,7 +41,7 @@ class JobSubmit(BaseModel):
     dataset_bytes: int
     examples: int
     code_sha256: Sha256Hex | None = None  # object name of a deterministic tar of the job's own ml/
-    # The name of the API key that submitted it (gateway/api_keys.py); None when keys are off. A key
+    # The name of the API key that submitted it (gateway/auth/api_keys.py); None when keys are off. A key
     # without the admin scope may cancel or restart only its own jobs.
     owner: str | None = Field(default=None, max_length=64)
 

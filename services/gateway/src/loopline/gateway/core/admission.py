@@ -1,7 +1,7 @@
 """Admission: whether a deployment's queue has room for a request's prompts, or a 429.
 
 The queue service publishes each deployment's depth on ``queue.state`` a few times a second
-(services/queue/admission.py); the gateway admits against the latest of these plus what it admitted
+(the queue service's admission.py); the gateway admits against the latest of these plus what it admitted
 itself since, instead of asking JetStream on every request.
 """
 

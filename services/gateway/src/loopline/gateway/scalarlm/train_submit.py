@@ -41,7 +41,7 @@ def trainer_of(request: Request) -> TrainerClient:
 
 def respond(request: Request, info: JobInfo) -> TrainResponse:
     # Deployed once an inference replica serves the job hash as a model (MODELS bucket).
-    # Deployed: some inference replica has loaded a checkpoint of the job (gateway/adapters.py).
+    # Deployed: some inference replica has loaded a checkpoint of the job (gateway/core/adapters.py).
     return train_response(info, deployed=gateway_of(request).adapters.deployed(info.job_hash))
 
 
