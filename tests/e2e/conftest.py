@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from support.stacks import make_stack, tiny_model
+from support.stacks import SLURM_TINKER_IDLE_TTL_S, make_stack, tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +19,20 @@ def stack(tmp_path_factory, tiny):
     s.start()
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_stack(tmp_path_factory, tiny, slurm):
+    """A stack whose trainer submits to the session's Slurm cluster (training jobs and Tinker session
+    workers), shared by the modules that only add their own jobs and workers to it; each module
+    cancels what it left in Slurm (``slurm.cancel_all()``) when it ends."""
+    s = make_stack(tmp_path_factory.mktemp("slurm-stack"), tiny, LOOPLINE_LAUNCHER="slurm",
+                   LOOPLINE_RECONCILE_INTERVAL_S="0.25",
+                   LOOPLINE_TINKER_IDLE_TTL_S=str(SLURM_TINKER_IDLE_TTL_S), **slurm.env)
+    s.start()
+    yield s
+    s.stop()
+    slurm.cancel_all()
 
 
 @pytest.fixture(scope="session")

@@ -31,16 +31,12 @@ from support.chaos_jobs import (
     wait_for,
     wait_job,
 )
-from support.stacks import make_stack
 
 
-@pytest.fixture(scope="module")
-def slurm_stack(tmp_path_factory, tiny, slurm):
-    s = make_stack(tmp_path_factory.mktemp("chaos-slurm"), tiny, LOOPLINE_LAUNCHER="slurm",
-                   LOOPLINE_RECONCILE_INTERVAL_S="0.25", **slurm.env)
-    s.start()
-    yield s
-    s.stop()
+@pytest.fixture(scope="module", autouse=True)
+def cancel_what_is_left(slurm):
+    """The session's Slurm stack (conftest.py's slurm_stack) is shared: leave no job of ours in it."""
+    yield
     slurm.cancel_all()
 
 

@@ -20,19 +20,15 @@ from tinker import types
 from loopline.common.contracts.tinker_schemas import TinkerModel, TinkerWorker
 from loopline.common.runtime import bus
 from loopline.common.runtime.tinker_store import TinkerStore
-from support.stacks import make_stack
+from support.stacks import SLURM_TINKER_IDLE_TTL_S
 
-IDLE_TTL_S = 20
+IDLE_TTL_S = SLURM_TINKER_IDLE_TTL_S  # the session's Slurm stack (conftest.py's slurm_stack)
 
 
-@pytest.fixture(scope="module")
-def slurm_stack(tmp_path_factory, tiny, slurm):
-    s = make_stack(tmp_path_factory.mktemp("tinker-slurm"), tiny, LOOPLINE_LAUNCHER="slurm",
-                   LOOPLINE_RECONCILE_INTERVAL_S="0.25", LOOPLINE_TINKER_IDLE_TTL_S=str(IDLE_TTL_S),
-                   **slurm.env)
-    s.start()
-    yield s
-    s.stop()
+@pytest.fixture(scope="module", autouse=True)
+def cancel_what_is_left(slurm):
+    """The Slurm stack is shared: leave no session worker of ours in it."""
+    yield
     slurm.cancel_all()
 
 

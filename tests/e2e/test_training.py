@@ -26,7 +26,6 @@ import scalarlm
 from loopline.common.contracts.adapter_format import FROZEN_BASE_TYPES
 from loopline.ml.train.checkpoint import latest_checkpoint
 from support.greedy import greedy_texts
-from support.stacks import make_stack
 
 PAIRS = [
     ("What is 1 + 1?", " The answer is 2."),
@@ -39,13 +38,9 @@ FINISHED = {"COMPLETED", "FAILED", "CANCELLED"}
 
 
 @pytest.fixture(scope="module")
-def train_stack(tmp_path_factory, tiny, slurm):
-    """A stack of its own whose trainer submits to the session's Slurm cluster."""
-    s = make_stack(tmp_path_factory.mktemp("train-stack"), tiny, LOOPLINE_LAUNCHER="slurm",
-                   LOOPLINE_RECONCILE_INTERVAL_S="0.25", **slurm.env)
-    s.start()
-    yield s
-    s.stop()
+def train_stack(slurm_stack, slurm):
+    """The session's stack whose trainer submits to the session's Slurm cluster (conftest.py)."""
+    yield slurm_stack
     slurm.cancel_all()
 
 

@@ -19,6 +19,10 @@ TEST_ENV = {
 }
 
 
+# The Slurm stack's idle TTL for Tinker session workers: short, so a test sees one released.
+SLURM_TINKER_IDLE_TTL_S = 20
+
+
 def tiny_model() -> str:
     from loopline.ml.models.resolve import resolve_model
 
