@@ -18,10 +18,10 @@ from loopline.common.contracts.job_layout import CHECKPOINTS_DIR, EVENTS_FILE, S
 from loopline.ml.adapters.io import read_tensors
 from loopline.ml.train.checkpoint import latest_checkpoint, list_checkpoints
 
-# Tier: two full training runs per adapter type, ~150 s each on this machine.
+# Tier: three training processes per adapter type.
 pytestmark = pytest.mark.slow
 
-MAX_STEPS = 40
+MAX_STEPS = 20
 PARAMS = {"max_steps": MAX_STEPS, "steps_per_checkpoint": 6, "max_checkpoints_to_keep": 20,
           "batch_size": 1, "gradient_accumulation_steps": 4, "learning_rate": 5e-3, "seed": 7,
           "lr_decay": "cosine", "warmup_steps": 3, "lora_config": {"lora_dropout": 0.1},
