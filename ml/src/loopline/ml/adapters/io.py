@@ -48,15 +48,24 @@ def adapter_tensors(model: nn.Module, adapter_type: str) -> dict[str, torch.Tens
 
 def adapter_config(model: nn.Module, adapter_type: str, *, base_model: str,
                    extra: dict[str, Any]) -> dict[str, Any]:
-    common = {"adapter_type": adapter_type, "format_version": FORMAT_VERSION,
-              "base_model_name_or_path": base_model}
-    if adapter_type == "lora":
-        return {**lora_config_dict(model), **common, **extra}
-    return {**common, **extra}
+    """The adapter_config.json of a model ``prepare_model`` prepared; ``extra``: the fields it
+    returned."""
+    fields = lora_config_dict(model) if adapter_type == "lora" else {}
+    return config_json(adapter_type, {**fields, **extra}, base_model=base_model)
+
+
+def config_json(adapter_type: str, fields: dict[str, Any], *, base_model: str) -> dict[str, Any]:
+    """An adapter_config.json: the adapter's own fields (a LoRA's are PEFT's, ``lora_config_json``,
+    so that PEFT and vLLM load it as theirs) and the fields every adapter of ours has. The one place
+    its content is put together, for the training program's checkpoints and the Tinker session
+    worker's saves alike; ``write_adapter`` writes it."""
+    return {**fields, "adapter_type": adapter_type, "format_version": FORMAT_VERSION,
+            "base_model_name_or_path": base_model}
 
 
 def write_adapter(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    """Write the two adapter files into ``out_dir`` (an existing, private temp folder)."""
+    """Write the two adapter files into ``out_dir`` (an existing, private temp folder): the one
+    writer of adapter_config.json and adapter_model.safetensors."""
     from safetensors.torch import save_file
 
     # contiguous() + clone: safetensors wants dense tensors that own their memory.

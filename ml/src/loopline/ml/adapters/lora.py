@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:  # PEFT is imported where it is used, so that the other adapter kinds do without it
-    from peft import LoraConfig
+    from peft import LoraConfig, PeftConfig
     from torch.nn.modules.module import _IncompatibleKeys
 
 ADAPTER_NAME = "default"  # PEFT's name for a model's only adapter; it never appears on disk
@@ -57,12 +57,17 @@ def load_lora_tensors(peft_model: nn.Module, tensors: dict[str, torch.Tensor]) -
 
 
 def lora_config_dict(peft_model: nn.Module) -> dict[str, Any]:
-    """The adapter_config.json content PEFT itself writes (target modules resolved to names)."""
+    """The adapter_config.json content PEFT itself writes for a model (target modules resolved to
+    names)."""
     from peft import PeftModel
 
     if not isinstance(peft_model, PeftModel):
         raise TypeError(f"a LoRA config comes from a PEFT model, not a {type(peft_model).__name__}")
-    config = peft_model.peft_config[ADAPTER_NAME]
+    return lora_config_json(peft_model.peft_config[ADAPTER_NAME])
+
+
+def lora_config_json(config: PeftConfig) -> dict[str, Any]:
+    """The adapter_config.json content PEFT itself writes for ``config``, as JSON values."""
     out = {}
     for key, value in config.to_dict().items():  # PEFT's own: drops the runtime-only fields
         if isinstance(value, set):

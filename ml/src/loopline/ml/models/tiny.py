@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from loopline.common.atomic_files import replace_dir
 
 # Written last into a finished model folder; a folder without it is an interrupted build.
 COMPLETE_MARKER = ".loopline-complete"
@@ -169,12 +170,7 @@ def atomic_output_dir(out_dir: Path, replace: bool = True) -> Iterator[Path]:
         if out_dir.exists() and not replace and is_complete(out_dir):
             shutil.rmtree(tmp, ignore_errors=True)
             return
-        if out_dir.exists():
-            # A directory cannot be renamed onto a non-empty one: move the old one aside first.
-            old = tmp.with_name(tmp.name + ".old")
-            os.rename(out_dir, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.rename(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

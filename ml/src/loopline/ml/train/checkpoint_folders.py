@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from loopline.common.atomic_files import atomic_dir
 from loopline.common.contracts import adapter_format
 from loopline.common.contracts.job_layout import (
     CHECKPOINT_TEMP_PREFIX,
@@ -61,20 +61,12 @@ def remove_leftovers(job_dir: Path) -> None:
 def publish_checkpoint(job_dir: Path, step: int, write: Callable[[Path], None], keep: int) -> Path:
     """Have ``write(folder)`` fill a temp folder with ``CHECKPOINT_FILES``, rename it into place as
     ``checkpoints/step-XXXXXXXX``, then drop all but the newest ``keep``. Returns the new folder."""
-    root = Path(job_dir) / CHECKPOINTS_DIR
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / checkpoint_name(step)
-    tmp = Path(tempfile.mkdtemp(prefix=checkpoint_temp_prefix(step), dir=root))
-    try:
+    final = Path(job_dir) / CHECKPOINTS_DIR / checkpoint_name(step)
+    # 0755: the watcher may run as another user. The same step written by an earlier slice is
+    # replaced whole.
+    with atomic_dir(final, temp_prefix=checkpoint_temp_prefix(step)) as tmp:
         write(tmp)
         _fsync_dir_files(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it 0700; the watcher may run as another user
-        if final.exists():  # same step written by an earlier slice: replace it whole
-            _discard(final)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     for _, old in list_checkpoints(job_dir)[:-keep]:
         _discard(old)
     return final

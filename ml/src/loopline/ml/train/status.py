@@ -1,6 +1,6 @@
 """What the trainer reads from the job directory: status.json (rewritten) and events.jsonl (appended).
 
-status.json is replaced atomically (temp file + os.replace), so a reader sees the old or the new
+status.json is replaced atomically (atomic_files.write_atomic), so a reader sees the old or the new
 file, never half of one. events.jsonl gets one JSON object per line, flushed as it is written.
 Times: ``time``, ``started_at``, ``updated_at``, ``created_at`` are Unix seconds; a history
 point's ``time`` is seconds of training so far (``accumulated_train_seconds``), as in ScalarLM.
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
 
+from loopline.common.atomic_files import write_atomic
 from loopline.common.contracts.job_layout import EVENTS_FILE, STATUS_FILE
 
 HISTORY_LIMIT = 1024  # ScalarLM's training_history_length
@@ -80,10 +80,7 @@ class JobReporter:
 
     def write(self, **changes: Any) -> None:
         self.status.update(changes, updated_at=time.time())
-        path = self.job_dir / STATUS_FILE
-        tmp = path.with_name(f".{STATUS_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.status, indent=1) + "\n")
-        os.replace(tmp, path)
+        write_atomic(self.job_dir / STATUS_FILE, json.dumps(self.status, indent=1) + "\n")
 
     def step(self, *, step: int, loss: float | None, learning_rate: float, tokens_per_s: float,
              epoch: float, train_seconds: float, skipped_steps: int, grad_norm: float) -> None:

@@ -1,6 +1,6 @@
 """What is on disk: job directories, their complete checkpoints, and what each job adapts.
 
-    <jobs_dir>/<job_hash>/config.json                 {"job_hash", "model_path", "params": {"llm_name"}}
+    <jobs_dir>/<job_hash>/config.json                 train_params.JobConfig: the served model it adapts
     <jobs_dir>/<job_hash>/checkpoints/step-%08d/      complete: the training program renames it in
     <jobs_dir>/<job_hash>/checkpoints/.tmp-step-…/    being written: never looked at
 
@@ -11,13 +11,17 @@ The names are loopline.common.contracts.job_layout's. Names starting with "." ar
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from loopline.common.contracts.job_hash import is_job_hash
 from loopline.common.contracts.job_layout import CHECKPOINTS_DIR, CONFIG_FILE, checkpoint_step
+from loopline.common.contracts.train_params import JobConfig
+
+# A config.json is a few hundred bytes; one larger than this (a job's code may write its own
+# directory) is not read whole.
+MAX_CONFIG_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -69,22 +73,15 @@ def step_dirs(job_dir: Path) -> list[StepDir]:
 
 
 def watched_job(job_dir: Path) -> WatchedJob | None:
-    """None when config.json is missing or unreadable: not a job of ours, or one being deleted."""
+    """None when config.json is missing or not a JobConfig: not a job of ours, or one being
+    deleted."""
     try:
         dir_ino = job_dir.stat().st_ino
         with open(job_dir / CONFIG_FILE, "rb") as f:
             config_mtime = os.fstat(f.fileno()).st_mtime_ns
-            config = json.loads(f.read(1024 * 1024))
-    except (OSError, ValueError):
+            config = JobConfig.model_validate_json(f.read(MAX_CONFIG_BYTES))
+    except (OSError, ValueError):  # pydantic's ValidationError is a ValueError
         return None
-    if not isinstance(config, dict):
+    if not config.served_model:
         return None
-    params = config.get("params")
-    if not isinstance(params, dict):
-        params = {}
-    # llm_name is the name the model is served under (the inference replicas' deployment key);
-    # model_path is only where it lies on disk, the fallback for a job written by hand.
-    base = params.get("llm_name") or config.get("model_path")
-    if not isinstance(base, str) or not base:
-        return None
-    return WatchedJob(identity=f"{dir_ino}-{config_mtime}", base_model=base)
+    return WatchedJob(identity=f"{dir_ino}-{config_mtime}", base_model=config.served_model)

@@ -8,13 +8,11 @@ the adapters it marks. LoRA checkpoints are already PEFT folders and are copied 
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
+from loopline.common.atomic_files import atomic_dir
 from loopline.common.contracts import adapter_format
 from loopline.common.contracts.adapter_format import FULL_WEIGHTS
 
@@ -51,23 +49,13 @@ def to_vllm_lora(checkpoint_dir: str | Path, out_dir: str | Path) -> tuple[str, 
         raise ValueError(
             f"{checkpoint_dir}: adapter_type {kind!r} cannot be served as a vLLM adapter "
             "(a full fine-tune is a new model: serve it as a model folder)")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
-    try:
+    # 0755: an engine may run as another user; the path never names a half-written folder.
+    with atomic_dir(out_dir) as tmp:
         if kind == "lora":
             for name in adapter_format.FILES:
                 shutil.copyfile(checkpoint_dir / name, tmp / name)
         else:
             _write_tokenformer(checkpoint_dir, config, tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it 0700; an engine may run as another user
-        if out_dir.exists():  # moved away whole: the path never names a half-written folder
-            old = Path(tempfile.mkdtemp(prefix=f".old-{out_dir.name}-", dir=out_dir.parent))
-            os.rename(out_dir, old / "adapter")
-            shutil.rmtree(old, ignore_errors=True)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return str(out_dir), kind
 
 
@@ -99,13 +87,10 @@ def tokenformer_lora_tensors(tensors: dict, num_tokens: int) -> dict:
 
 
 def _write_tokenformer(checkpoint_dir: Path, config: dict, out: Path) -> None:
-    from safetensors.torch import save_file
-
-    from loopline.ml.adapters.io import read_tensors
+    from loopline.ml.adapters.io import read_tensors, write_adapter
 
     n = int(config["num_tokens"])
     tensors = tokenformer_lora_tensors(read_tensors(checkpoint_dir), n)
-    save_file(tensors, str(out / adapter_format.WEIGHTS_FILE), metadata={"format": "pt"})
     peft_fields = {
         "peft_type": "LORA",
         "r": n,
@@ -120,4 +105,4 @@ def _write_tokenformer(checkpoint_dir: Path, config: dict, out: Path) -> None:
     }
     # Our fields (adapter_type, num_tokens, step, ...) stay: they say what the folder really is.
     merged = {**config, **peft_fields, "tokenformer_sqrt_n_folded_into_lora_b": True}
-    (out / adapter_format.CONFIG_FILE).write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
+    write_adapter(out, merged, tensors)  # the adapter format's one writer

@@ -9,37 +9,29 @@ from the adapter config.
 
 from __future__ import annotations
 
-import enum
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from loopline.common.contracts.adapter_format import CONFIG_FILE, FORMAT_VERSION
+from loopline.common.contracts.adapter_format import CONFIG_FILE
 from loopline.common.contracts.tinker_names import LORA_FILE, OPTIMIZER_FILE
 from loopline.common.contracts.tinker_schemas import LoraSpec
-from loopline.ml.adapters.io import read_adapter_config
+from loopline.ml.adapters.io import config_json, read_adapter_config
+from loopline.ml.adapters.lora import lora_config_json
 
 from .lora_layers import ATTN, LORA_ALPHA, MLP, UNEMBED
 from .types import UserError
 
 
 def adapter_config(spec: LoraSpec, targets: list[str], base_model: str) -> dict[str, Any]:
-    """adapter_config.json as PEFT writes it for this LoRA, plus our format's fields."""
+    """adapter_config.json for this LoRA: PEFT's fields for it and our format's, put together by the
+    adapter format's own builder (``loopline.ml.adapters.io``, which also writes it)."""
     from peft import LoraConfig
 
     config = LoraConfig(r=spec.rank, lora_alpha=int(LORA_ALPHA), lora_dropout=0.0, target_modules=targets,
                         bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model)
-    out: dict[str, Any] = {}
-    for key, value in config.to_dict().items():  # JSON has no sets or enums
-        if isinstance(value, set):
-            value = sorted(value)
-        elif isinstance(value, enum.Enum):
-            value = value.value
-        out[key] = value
-    out["inference_mode"] = True  # what PEFT's save_pretrained writes
-    return {**out, "adapter_type": "lora", "format_version": FORMAT_VERSION,
-            "base_model_name_or_path": base_model}
+    return config_json("lora", lora_config_json(config), base_model=base_model)
 
 
 def write_spec(out_dir: Path, spec: LoraSpec) -> None:

@@ -1,8 +1,9 @@
 """Where a session worker's saves go, and how a sampler save reaches the inference replicas.
 
 A sampler save is written as a training job's checkpoint (``tinker_names`` says why): a job
-directory named by its adapter hash, with ``config.json`` naming the base model and the adapter in
-``checkpoints/step-%08d``, written into a ``.tmp-`` folder and renamed into place. The
+directory named by its adapter hash, with a job's ``config.json`` (``JobConfig``) naming the base
+model and the adapter in ``checkpoints/step-%08d``, written into a ``.tmp-`` folder and renamed into
+place. The
 checkpoint-watcher announces it on ``checkpoints.<base>.<hash>``; ``wait_announced`` is how the
 worker learns that the replicas can load it, without holding up the calls that come next.
 """
@@ -10,10 +11,6 @@ worker learns that the replicas can load it, without holding up the calls that c
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,14 +20,11 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from loopline.common.atomic_files import atomic_dir
 from loopline.common.contracts import subjects
-from loopline.common.contracts.job_layout import (
-    CHECKPOINTS_DIR,
-    CONFIG_FILE,
-    checkpoint_name,
-    checkpoint_temp_prefix,
-)
+from loopline.common.contracts.job_layout import CHECKPOINTS_DIR, checkpoint_name, checkpoint_temp_prefix
 from loopline.common.contracts.job_schemas import AdapterEvent, CheckpointAnnounce
+from loopline.common.contracts.train_params import JobConfig, TrainParams
 
 
 def write_sampler_checkpoint(jobs_dir: Path, adapter_hash: str, *, base_model: str, model_path: str,
@@ -38,9 +32,8 @@ def write_sampler_checkpoint(jobs_dir: Path, adapter_hash: str, *, base_model: s
     """The checkpoint folder of one sampler save; ``write`` fills an empty folder with the adapter."""
     job_dir = jobs_dir / adapter_hash
     (job_dir / CHECKPOINTS_DIR).mkdir(parents=True, exist_ok=True)
-    config = {"job_hash": adapter_hash, "model_path": model_path, "params": {"llm_name": base_model},
-              "tinker": True}
-    _write_atomic(job_dir / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+    JobConfig(job_hash=adapter_hash, model_path=model_path,
+              params=TrainParams(llm_name=base_model)).write(job_dir)
     return _install(job_dir / CHECKPOINTS_DIR, checkpoint_name(step), checkpoint_temp_prefix(step), write)
 
 
@@ -51,25 +44,11 @@ def write_state(folder: Path, write: Callable[[Path], None]) -> Path:
 
 
 def _install(parent: Path, name: str, temp_prefix: str, write: Callable[[Path], None]) -> Path:
-    temp = Path(tempfile.mkdtemp(prefix=temp_prefix, dir=parent))
-    try:
+    # An overwrite replaces the old folder whole. mode=None: the folder stays private, as
+    # tempfile.mkdtemp made it.
+    with atomic_dir(parent / name, temp_prefix=temp_prefix, mode=None) as temp:
         write(temp)
-        final = parent / name
-        if final.exists():  # an overwrite: the old one goes aside first, then away
-            old = parent / f".old-{name}-{time.time_ns()}"
-            os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(temp, final)
-        return final
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    temp = path.with_name(f".{path.name}.tmp")
-    temp.write_text(text)
-    os.replace(temp, path)
+    return parent / name
 
 
 def folder_bytes(folder: Path) -> int:

@@ -20,11 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from loopline.common.atomic_files import replace_dir, write_atomic
 from loopline.common.contracts.job_env import JobUser
 from loopline.common.contracts.job_layout import (
     CHECKPOINTS_DIR,
     CODE_DIR,
-    CONFIG_FILE,
     ENTRYPOINT_FILE,
     EVENTS_FILE,
     STATUS_FILE,
@@ -58,13 +58,11 @@ def clean_staging(jobs_dir: Path) -> None:
 def install(staging: Path, final: Path) -> None:
     """Move a fully written job directory into place; a leftover under the same name (a crash
     between this rename and the registry insert) is replaced."""
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(staging, final)
+    replace_dir(staging, final)
 
 
 def write_config(job_dir: Path, config: JobConfig) -> None:
-    _write_atomic(job_dir / CONFIG_FILE, config.to_json())
+    config.write(job_dir)
 
 
 def write_entrypoint(job_dir: Path, argv: list[str], *, user_code: bool,
@@ -95,7 +93,7 @@ def write_entrypoint(job_dir: Path, argv: list[str], *, user_code: bool,
     # exec: the program is the batch shell, so Slurm's B:TERM reaches it directly.
     lines.append("exec " + " ".join(shlex.quote(a) for a in argv))
     path = job_dir / ENTRYPOINT_FILE
-    _write_atomic(path, "\n".join(lines) + "\n")
+    write_atomic(path, "\n".join(lines) + "\n")
     path.chmod(0o755)
 
 
@@ -160,7 +158,7 @@ def mark_requeued(job_dir: Path) -> None:
     if status is None:
         return
     status.update(status="QUEUED", error=None, updated_at=time.time())
-    _write_atomic(job_dir / STATUS_FILE, json.dumps(status, indent=1) + "\n")
+    write_atomic(job_dir / STATUS_FILE, json.dumps(status, indent=1) + "\n")
 
 
 def read_events(job_dir: Path, offset: int, max_lines: int,
@@ -286,9 +284,3 @@ def log_tail(job_dir: Path, max_chars: int = 2000) -> str:
 
 def remove(job_dir: Path) -> None:
     shutil.rmtree(job_dir, ignore_errors=True)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -1,7 +1,7 @@
 """The job directory: the names every part that reads or writes one agrees on.
 
     <jobs_dir>/<job_hash>/
-        config.json          {"job_hash", "model_path", "params"}          (trainer)
+        config.json          train_params.JobConfig                        (trainer; session worker *)
         dataset.jsonlines    the training data, from the datasets store    (trainer)
         ml/                  the job's own code, only when allowed         (trainer)
         entrypoint.sh        what sbatch (or the local launcher) runs      (trainer)
@@ -12,9 +12,12 @@
             training_state.pt                                optimizer, scheduler, data order, RNG
         .run.lock            locked (POSIX) by the run writing the folder  (training program)
 
-A checkpoint is written into ``.tmp-step-%08d-*`` beside the others and renamed into place, so a
-folder with a checkpoint name is complete. Names starting with "." are always someone's work in
-progress, never looked at by a reader. The job hash itself is ``job_hash.py``'s.
+* A Tinker sampler save is laid out as a job (tinker_names): the session worker writes its
+config.json and its one checkpoint.
+
+A checkpoint is written into ``.tmp-step-%08d-*`` beside the others and renamed into place
+(atomic_files), so a folder with a checkpoint name is complete. Names starting with "." are always
+someone's work in progress, never looked at by a reader. The job hash itself is ``job_hash.py``'s.
 
 Standard library only: the training program imports it inside a Slurm job.
 """

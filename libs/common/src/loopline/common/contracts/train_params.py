@@ -1,5 +1,6 @@
 """A job's training params as one typed object (ScalarLM's ``train_args`` with our defaults), and the
-job's config.json that carries them to the training program.
+job's config.json that carries them to the training program (``JobConfig``: the one encoding of that
+file, for the trainer's jobs and the session worker's sampler saves alike).
 
 One model for every reader: the gateway validates a submit with it (a bad value is a 422 naming
 the field, before anything is stored) and hashes its canonical form, the trainer reads what it
@@ -27,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from loopline.common.atomic_files import write_atomic
 from loopline.common.contracts.adapter_format import FULL_WEIGHTS, AdapterType
 from loopline.common.contracts.job_layout import CONFIG_FILE
 
@@ -123,7 +125,10 @@ CanonicalTrainParams = Annotated[TrainParams, PlainSerializer(canonical, return_
 
 
 class JobConfig(BaseModel):
-    """The job's config.json: written by the trainer, read by the training program."""
+    """The job's config.json. Written by the trainer for a training job, and by the session worker
+    for a Tinker sampler save (laid out as a job's, with only ``llm_name`` in its params, so that
+    the checkpoint-watcher announces it like any job's checkpoint); read by the training program
+    and the checkpoint-watcher."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -136,9 +141,19 @@ class JobConfig(BaseModel):
     def _params_null(cls, value):
         return {} if value is None else value
 
+    @property
+    def served_model(self) -> str:
+        """The served model the job adapts: the name the replicas serve it under (the subject its
+        checkpoints are announced on), or, for a job written by hand without one, its folder."""
+        return self.params.llm_name or self.model_path
+
     @classmethod
     def read(cls, job_dir: Path):
         return cls.model_validate_json((Path(job_dir) / CONFIG_FILE).read_bytes())
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=True) + "\n"
+
+    def write(self, job_dir: Path) -> None:
+        """Replace the job's config.json whole: a reader never sees half of one."""
+        write_atomic(Path(job_dir) / CONFIG_FILE, self.to_json())

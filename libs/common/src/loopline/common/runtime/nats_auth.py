@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
+from loopline.common.atomic_files import write_atomic
 from loopline.common.runtime import nats_permissions
 
 PASSWORD_LENGTH = 32
@@ -102,7 +103,7 @@ def local_passwords(folder: Path) -> dict[str, str]:
     if all(role in known for role in nats_permissions.ROLES):
         return known
     known = {role: known.get(role) or new_password() for role in nats_permissions.ROLES}
-    _write_private(path, json.dumps(known, indent=1) + "\n")
+    write_atomic(path, json.dumps(known, indent=1) + "\n", private=True)
     return known
 
 
@@ -111,7 +112,7 @@ def write_local_config(state_dir: Path) -> tuple[Path, dict[str, str]]:
     passwords; include it with ``-c``."""
     passwords = local_passwords(auth_dir(state_dir))
     path = auth_dir(state_dir) / "auth.conf"
-    _write_private(path, server_config(passwords))
+    write_atomic(path, server_config(passwords), private=True)
     return path, passwords
 
 
@@ -137,14 +138,6 @@ def service_env(service: str, env: Mapping[str, str]) -> dict[str, str]:
         worker = nats_permissions.TINKER_WORKER
         out[TINKER_WORKER_URL_VARIABLE] = role_url(url, worker, passwords[worker])
     return out
-
-
-def _write_private(path: Path, text: str) -> None:
-    temp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    os.replace(temp, path)
 
 
 def main(argv: list[str]) -> int:

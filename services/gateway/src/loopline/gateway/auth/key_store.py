@@ -20,9 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import secrets
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +28,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from loopline.common.atomic_files import write_atomic
 from loopline.common.contracts.job_hash import Sha256Hex
 from loopline.gateway.auth.scopes import ADMIN, SCOPES
 
@@ -109,15 +108,7 @@ def read_key_file(path: Path) -> KeyFile:
 def write_key_file(path: Path, keys: KeyFile) -> None:
     """Replace the file whole (a temporary file renamed over it), readable by its owner only."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(json.dumps(keys.model_dump(exclude_none=True), indent=1) + "\n")
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, json.dumps(keys.model_dump(exclude_none=True), indent=1) + "\n", private=True)
 
 
 def api_key(entry: KeyEntry) -> ApiKey:

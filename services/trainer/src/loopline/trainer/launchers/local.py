@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+from loopline.common.atomic_files import write_atomic
 from loopline.common.contracts.job_env import job_environment
 from loopline.common.contracts.job_layout import ENTRYPOINT_FILE
 from loopline.common.local.launcher import process_start_time
@@ -96,9 +97,7 @@ class LocalLauncher:
         start = process_start_time(child.pid) or ""
         record = {"pid": child.pid, "start": start, "job_hash": spec.job_hash,
                   "job_dir": str(spec.job_dir), "log": log_path.name, "submitted_at": time.time()}
-        tmp = self.runs_dir / f".{run_id}.json.tmp"
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.runs_dir / f"{run_id}.json")
+        write_atomic(self.runs_dir / f"{run_id}.json", json.dumps(record))
         self._children[run_id] = child
         return run_id
 
