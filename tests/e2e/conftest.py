@@ -22,6 +22,20 @@ def stack(tmp_path_factory, tiny):
 
 
 @pytest.fixture(scope="session")
+def two_deployments_stack(tmp_path_factory):
+    """The tiny generation model and the tiny embedding model side by side, each its own deployment
+    (``LOOPLINE_MODEL=tiny,tiny-embed``): test_deployments reads from it, then the fuzz run (which
+    clears the queue and cancels whatever job a random name matches) has it to itself. Nothing
+    trains the embedding model: no adapters (test_deployments.py says why); a short context
+    bounds each fuzz case (test_fuzz.py)."""
+    s = make_stack(tmp_path_factory.mktemp("two-deployments"), "tiny,tiny-embed",
+                   LOOPLINE_MAX_MODEL_LEN="256", LOOPLINE_ADAPTERS__TINY_EMBED="false")
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
 def slurm_stack(tmp_path_factory, tiny, slurm):
     """A stack whose trainer submits to the session's Slurm cluster (training jobs and Tinker session
     workers), shared by the modules that only add their own jobs and workers to it; each module

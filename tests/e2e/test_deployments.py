@@ -14,23 +14,22 @@ from transformers.utils import CONFIG_NAME
 from loopline.common.contracts import subjects
 from loopline.inference.vllm_args import serve_flags
 from loopline.ml.models.resolve import resolve_model
-from support.stacks import MODELS_DIR, make_stack
+from support.stacks import MODELS_DIR
 from support.vllm_serve import vllm_serve
 
 pytestmark = pytest.mark.timeout(900)
 
 CHAT, EMBED = "tiny", "tiny-embed"
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "What is the capital of France?"]
-# The embedding deployment's own setting (stack.py: LOOPLINE_<SETTING>__<MODEL KEY>): nothing
-# trains it, so no adapters and no LoRA buffers in its engine. No vLLM flag is needed: the
-# replica's flags leave prefix caching to vLLM, which knows an encoder-only model has none.
-EMBED_ENV = {"LOOPLINE_ADAPTERS__TINY_EMBED": "false"}
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with make_stack(tmp_path_factory.mktemp("deployments"), f"{CHAT},{EMBED}", **EMBED_ENV) as s:
-        yield s
+def stack(two_deployments_stack):
+    """CHAT and EMBED, one deployment each (conftest.py). The embedding deployment has its own
+    setting (stack.py: LOOPLINE_<SETTING>__<MODEL KEY>) LOOPLINE_ADAPTERS__TINY_EMBED=false:
+    nothing trains it, so no adapters and no LoRA buffers in its engine. No vLLM flag is needed:
+    the replica's flags leave prefix caching to vLLM, which knows an encoder-only model has none."""
+    return two_deployments_stack
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +41,8 @@ def http(stack):
 def test_models_lists_both_deployments(http):
     resp = http.get("/v1/models")
     assert resp.status_code == 200, resp.text
-    assert sorted(m["id"] for m in resp.json()["data"]) == [CHAT, EMBED]
+    # Adapters (a job another test trained) are listed too, each with its base model as parent.
+    assert sorted(m["id"] for m in resp.json()["data"] if m.get("parent") is None) == [CHAT, EMBED]
 
 
 def test_each_deployment_has_its_own_replica_and_work_subject(http):

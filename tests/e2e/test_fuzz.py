@@ -23,8 +23,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support.stacks import make_stack
-
 SEED = 20261124
 MAX_EXAMPLES = 15
 CHECKS = "not_a_server_error,status_code_conformance"
@@ -38,17 +36,14 @@ TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def fuzz_stack(tmp_path_factory, tiny):
-    # Its own stack: the run clears the queue and names random jobs to cancel, delete and restart
-    # (a prefix of a real job would match it), which must not reach another test's work.
-    # A short context bounds each case: a valid request that names no max_tokens generates up to the
-    # context's end (2048 tokens, 5-15 s here; one operation's valid cases took minutes).
-    # The embedding model beside it, so the pooling routes reach a vLLM that serves them.
-    stack = make_stack(tmp_path_factory.mktemp("fuzz"), f"{tiny},tiny-embed", LOOPLINE_MAX_MODEL_LEN="256",
-                       LOOPLINE_ADAPTERS__TINY_EMBED="false")
-    stack.start()
-    yield stack
-    stack.stop()
+def fuzz_stack(two_deployments_stack):
+    # The run clears the queue and names random jobs to cancel, delete and restart (a prefix of a
+    # real job would match it): the stack is shared only with test_deployments, which has no job and
+    # runs before it. A short context (LOOPLINE_MAX_MODEL_LEN=256) bounds each case: a valid request
+    # that names no max_tokens generates up to the context's end (2048 tokens, 5-15 s here; one
+    # operation's valid cases took minutes). The embedding model beside it, so the pooling routes
+    # reach a vLLM that serves them.
+    return two_deployments_stack
 
 
 def test_no_route_answers_a_5xx_or_an_undocumented_status(fuzz_stack, tmp_path):

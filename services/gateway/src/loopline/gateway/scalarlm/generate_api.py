@@ -101,11 +101,15 @@ async def collect(gateway: Gateway, ids: list[str], timeout_s: float, *, stored_
     for group, indices in by_group.items():
         waiter = await gateway.results.waiter(group)
         try:
-            got = await waiter.wait(indices, timeout_s, stored_first=stored_first)
+            # A batch is known once its manifest is stored, which is before /v1/generate or upload
+            # answers with its ids: ids of no known batch get nothing by waiting, so they are not
+            # waited for (an unknown id used to be answered 404 only after the whole long poll).
+            known = not stored_first or await gateway.work.manifest(group) is not None
+            got = await waiter.wait(indices, timeout_s if known else 0.0, stored_first=stored_first)
         finally:
             await waiter.close()
         found.update({request_id(group, i): r for i, r in got.items()})
-        if not got and stored_first and await gateway.work.manifest(group) is None:
+        if not got and not known:
             raise ApiError(404, f"no request with ids {request_id(group, indices[0])}…: unknown or expired",
                            param="request_ids")
     return [result_entry(rid, found.get(rid)) for rid in ids]
