@@ -11,6 +11,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from loopline.cli.client import SseMessage, parse_sse
 from loopline.common.contracts.job_hash import job_hash as hash_job
 from loopline.common.contracts.job_layout import CHECKPOINTS_DIR, DATASET_FILE, EVENTS_FILE, checkpoint_name
@@ -79,6 +81,8 @@ def test_resubmit_is_the_same_job(cli, trainer, tmp_path):
     assert trainer.dataset_info(ROWS_SHA256).nuid == stored.nuid
 
 
+# Tier: restarts the gateway process and follows across it, ~12 s.
+@pytest.mark.slow
 def test_follow_survives_a_gateway_restart(cli, gateway, trainer, tmp_path):
     # 30 steps of 0.4 s, a checkpoint every 2. Once the CLI has shown the first checkpoints, the
     # gateway is restarted (stopped as a deploy stops it, then started on the same port). Measured:

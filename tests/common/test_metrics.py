@@ -9,6 +9,7 @@ import signal
 import socket
 
 import httpx
+import pytest
 
 from loopline.common.local import launcher
 from support.scrape import scrape, value
@@ -62,6 +63,8 @@ def test_off_leaves_no_metrics_url_in_the_status(probe):
     assert p.exit_code() == 0, p.log
 
 
+# Tier: holds the event loop for seconds, ~6 s.
+@pytest.mark.slow
 def test_a_scrape_is_answered_while_the_event_loop_is_held(probe):
     # The server runs on a thread of its own: a loop that blocks the event loop for 5 s (a bug)
     # leaves the process scrapable, which is when an operator most wants to look at it.

@@ -150,6 +150,8 @@ async def test_every_role_creates_the_topology_and_does_its_work(server):
             assert not c[role].errors, (role, c[role].errors)
 
 
+# Tier: waits out each refused JetStream request's time-out, ~8 s.
+@pytest.mark.slow
 async def test_what_a_role_must_not_do_is_refused(server):
     async with connected(server) as c:
         await bus.ensure_topology(c[roles.QUEUE].js)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import nats
+import pytest
 from nats.micro import add_service
 
 from loopline.common.contracts import subjects
@@ -29,6 +30,8 @@ async def _check(url: str, role: str, replica_id: str | None = None) -> subproce
     return subprocess.CompletedProcess([role], proc.returncode, out.decode(), err.decode())
 
 
+# Tier: waits for the probe's time-outs, ~7 s.
+@pytest.mark.slow
 async def test_healthy_only_when_this_replica_answers(nats_url):
     nc = await nats.connect(nats_url)
     try:

@@ -188,6 +188,8 @@ def test_chunks_alternate_between_gateways_and_the_second_finalizes(gateway, sec
         assert not list((gw.state_dir / "uploads").iterdir())  # nothing left on either disk
 
 
+# Tier: waits out the upload TTL, ~6 s.
+@pytest.mark.slow
 def test_an_unfinished_upload_expires_after_the_ttl(tmp_path):
     """LOOPLINE_UPLOAD_TTL_S is the uploads store's TTL: an upload left unfinished goes by itself.
     (A nats-server of its own: the TTL applies to the store every gateway on it shares.)"""

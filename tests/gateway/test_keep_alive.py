@@ -33,6 +33,8 @@ def short_keep_alive_gateway(nats_proc, tmp_path_factory):
     launcher.stop(gw.proc)
 
 
+# Tier: holds a connection idle past uvicorn's default, ~6 s.
+@pytest.mark.slow
 def test_idle_connection_outlives_uvicorns_default(gateway):
     conn = _connect(gateway.url)
     try:

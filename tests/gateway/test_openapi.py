@@ -44,6 +44,8 @@ def operations(document: dict) -> dict[tuple[str, str], dict]:
             for method, operation in methods.items()}
 
 
+# Tier: builds vLLM's app in a fresh interpreter, ~9 s.
+@pytest.mark.slow
 def test_vllm_openapi_json_is_what_the_installed_vllm_documents():
     vllm = pytest.importorskip("vllm")
     written_by = json.loads(VLLM_OPENAPI.read_text())["vllm"]

@@ -12,6 +12,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from loopline.common.config.settings import TinkerWorkerSettings
 from loopline.common.contracts.tinker_schemas import TinkerWorker
 from loopline.common.runtime import bus
@@ -35,6 +37,8 @@ async def recorded_beat(store: TinkerStore, after: float, timeout_s: float = 10)
     raise AssertionError(f"no heartbeat after {after} within {timeout_s} s")
 
 
+# Tier: waits through heartbeats while NATS is stopped, ~7 s.
+@pytest.mark.slow
 async def test_the_heartbeat_goes_on_after_nats_stopped_answering(nats_server, nats_url):
     nc = await bus.connect(nats_url, "heartbeat-test")
     try:
