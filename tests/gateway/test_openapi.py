@@ -15,12 +15,10 @@ import pytest
 
 from loopline.common.contracts.schemas import QUEUED_ROUTES
 from loopline.common.local import launcher
+from loopline.gateway.app import ROUTERS
 from loopline.gateway.auth.scopes import ANY_KEY, OPEN, SCOPES
 from loopline.gateway.core.openapi_docs import STATUSES, VLLM_OPENAPI, vllm_document
 from loopline.gateway.core.route_spec import SCOPE
-from loopline.gateway.openai import routers as openai
-from loopline.gateway.scalarlm import routers as scalarlm
-from loopline.gateway.tinker import routers as tinker
 from support.gateway_process import start_gateway
 
 
@@ -74,7 +72,7 @@ def test_relayed_routes_take_vllms_request_bodies(document):
 def declared_statuses() -> dict[tuple[str, str], set[int]]:
     """What each route of the surfaces declares besides 200, read off the routes themselves."""
     return {(method, route.path): {int(s) for s in route.responses} - {200}
-            for router in (*openai.ROUTERS, *scalarlm.ROUTERS, *tinker.ROUTERS)
+            for router in ROUTERS
             for route in router.routes if route.path not in QUEUED_ROUTES for method in route.methods}
 
 

@@ -22,6 +22,8 @@ from loopline.gateway.scalarlm import routers as scalarlm
 from loopline.gateway.scalarlm.upload_chunks import ChunkStaging
 from loopline.gateway.tinker import routers as tinker
 
+# Every surface's routers, in the order the app includes them (the OpenAPI test reads them too).
+ROUTERS = (*openai.ROUTERS, *scalarlm.ROUTERS, *tinker.ROUTERS)
 _tracer = tracer("loopline.gateway")
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ def create_app(settings: GatewaySettings, gateway: Gateway) -> FastAPI:
     app.state.upload_staging = ChunkStaging(settings.state_dir / "uploads", settings.upload_ttl_s)
     errors.install(app)
 
-    for router in (*openai.ROUTERS, *scalarlm.ROUTERS, *tinker.ROUTERS):
+    for router in ROUTERS:
         app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                        max_upload_bytes=settings.max_upload_bytes)
