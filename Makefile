@@ -22,8 +22,10 @@ lint: install
 typecheck: install
 	@$(VENV)/bin/mypy
 
+# The whole suite, as two pytest processes at once (scripts/test_lanes.py says why): the tests that
+# start stacks, and the rest. `$(PY) -m pytest` runs it as one.
 test: install slurm lint typecheck
-	@$(PY) -m pytest $(PYTEST_ARGS)
+	@$(PY) scripts/test_lanes.py $(PYTEST_ARGS)
 
 # The edit loop: every test but the slow tiers (tests/support/tiers.py; README "Tests"), in a few
 # minutes; no Slurm install, lint or type check. CI runs `make test`.

@@ -8,7 +8,7 @@ README "Tests"):
 - ``slow``: a test that takes long on its own (marked by hand where it is written);
 - ``smollm2`` and ``postgres``: the real SmolLM2 model, a PostgreSQL server (marked where written).
 
-``make test-fast`` deselects all of them; ``make test`` (CI) runs everything.
+``make test-fast`` deselects all of them; ``make test`` (CI) runs everything, in two lanes (LANES).
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ import pytest
 TESTS = Path(__file__).resolve().parents[1]
 # Every marker that puts a test outside the fast tier.
 SLOW_TIERS = ("stack", "slurm", "chaos", "soak", "slow", "smollm2", "postgres")
+# `make test` runs two pytest processes at once (scripts/test_lanes.py): the tests that start whole
+# stacks or daemons, and everything else (the fast tier, `slow` and `postgres`: tests of one
+# process or function, waiting much of their time).
+STACK_TIERS = ("stack", "slurm", "chaos", "soak", "smollm2")
+LANES = {"stacks": " or ".join(STACK_TIERS), "in-process": f"not ({' or '.join(STACK_TIERS)})"}
 
 
 def mark_tiers(items: list[pytest.Item]) -> None:

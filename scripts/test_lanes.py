@@ -1,0 +1,96 @@
+"""`make test`: the whole suite as two pytest processes at once, one lane for the tests that start
+whole stacks (vLLM engines, Slurm, chaos, soak) and one for everything else (tests/support/tiers.py
+LANES), so that the in-process tests run while the stacks' tests wait on engines and daemons.
+
+Why two processes: run one after the other on this 2-core machine, the in-process lane took ~500 s
+and was about half waiting (timeouts, polls, redeliveries); the stacks' lane leaves a core idle
+for much of its ~1,300 s. Both lanes share the checkout's prepared models (built here first, so they
+never race to build them) and the cookbook's venv (its install starts here, in the background, and
+the tests that need it wait on its lock).
+
+The stacks' lane prints as it goes; the other lane's output goes to a log (named at start) and is
+printed when both are done. The exit status is the first failing lane's; "no test selected" in
+one lane (arguments that pick tests from the other) is not a failure.
+
+    python scripts/test_lanes.py [pytest arguments...]
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from support.tiers import LANES  # noqa: E402
+
+NO_TESTS_COLLECTED = 5  # pytest's exit status when a selection is empty
+
+
+def prepare_models() -> None:
+    """Build the tiny models both lanes load, once, before either starts."""
+    from loopline.ml.models.resolve import resolve_model
+    from support.stacks import MODELS_DIR
+
+    for name in ("tiny", "tiny-embed"):
+        resolve_model(name, MODELS_DIR)
+
+
+def start_cookbook_install(log_dir: Path) -> subprocess.Popen[bytes]:
+    """The cookbook venv's install (~50 s on a fresh machine) in the background: the stacks' lane
+    reaches its cookbook tests minutes later and finds it done (support/cookbook.py takes the same
+    lock, so it waits rather than installs twice)."""
+    code = "from support.cookbook import cookbook_python; cookbook_python()"
+    with open(log_dir / "cookbook-install.log", "wb") as out:  # the child keeps its own copy
+        return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(REPO / "tests")})
+
+
+def main(args: list[str]) -> int:
+    log_dir = REPO / ".loopline" / "test-lanes"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    prepare_models()
+    install = start_cookbook_install(log_dir)
+    (stacks, stacks_marks), (other, other_marks) = LANES.items()
+    other_log = log_dir / f"{other}.log"
+    print(f"[lanes] {stacks!r} lane here; {other!r} lane in {other_log}", flush=True)
+    started = time.monotonic()
+    pytest = [sys.executable, "-m", "pytest"]
+    with open(other_log, "wb") as out:
+        lanes = {
+            stacks: subprocess.Popen([*pytest, "-m", stacks_marks, *args], cwd=REPO),
+            other: subprocess.Popen([*pytest, "-m", other_marks, *args], cwd=REPO,
+                                    stdout=out, stderr=subprocess.STDOUT),
+        }
+
+        def stop(signum, _frame):
+            for proc in lanes.values():
+                proc.send_signal(signum)
+
+        signal.signal(signal.SIGTERM, stop)
+        took: dict[str, float] = {}
+        while len(took) < len(lanes):
+            for name, proc in lanes.items():
+                if name not in took and proc.poll() is not None:
+                    took[name] = time.monotonic() - started
+                    print(f"\n[lanes] {name!r} lane ended (exit {proc.returncode}) after {took[name]:.0f} s",
+                          flush=True)
+            time.sleep(1)
+    install.wait()
+    print(f"\n[lanes] ===== {other!r} lane's output =====", flush=True)
+    sys.stdout.buffer.write(other_log.read_bytes())
+    print("\n[lanes] " + ", ".join(f"{name}: exit {proc.returncode} in {took[name]:.0f} s"
+                                     for name, proc in lanes.items()), flush=True)
+    codes = [proc.returncode for proc in lanes.values()]
+    if all(code == NO_TESTS_COLLECTED for code in codes):
+        return NO_TESTS_COLLECTED
+    return next((code for code in codes if code not in (0, NO_TESTS_COLLECTED)), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
