@@ -19,7 +19,9 @@ import pytest
 
 from loopline.common.config.settings import StackSettings
 from loopline.common.local.launcher import free_port
+from loopline.common.local.stack import probe_key
 from loopline.common.local.up import refusal, stack_defaults
+from loopline.gateway.auth import key_store
 from support.stacks import MODELS_DIR, tiny_model
 
 # Tier: each test runs make up's whole stack.
@@ -28,6 +30,8 @@ pytestmark = pytest.mark.stack
 # StackSettings' defaults: what another `make up` (or a NATS of one's own) already listens on.
 DEFAULT_PORTS = {name: StackSettings.model_fields[name].default
                  for name in ("port", "nats_port", "nats_monitor_port")}
+# The one key in the keys file `up_beside_taken_ports` starts the stack with.
+KEY = key_store.new_key()
 
 
 def processes_with_state_dir(state_dir: Path) -> set[int]:
@@ -90,6 +94,16 @@ def test_up_allows_user_code_only_on_loopback_and_unless_set():
     assert stack_defaults("0.0.0.0", {}) == {}  # others can reach it: off unless asked for
 
 
+def test_the_probes_key_is_the_users_first_plain_one_else_one_only_the_gateway_gets():
+    assert probe_key({}) == (None, {})
+    # The user's plain keys as they are: one more would renumber them (LOOPLINE_API_KEYS#<n>).
+    assert probe_key({"LOOPLINE_API_KEYS": " k1 ,k2", "LOOPLINE_API_KEYS_FILE": "f"}) == ("k1", {})
+    # A keys file holds hashes: a fresh key, each stack its own, added beside the file's.
+    key, env = probe_key({"LOOPLINE_API_KEYS_FILE": "/keys.json"})
+    assert env == {"LOOPLINE_API_KEYS": key} and len(key) > 40
+    assert probe_key({"LOOPLINE_API_KEYS_FILE": "/keys.json"})[0] != key
+
+
 @contextlib.contextmanager
 def listening_on(ports: list[int]) -> Iterator[None]:
     """Something listening on each of ``ports`` at 127.0.0.1 (a port already listened on by
@@ -126,16 +140,22 @@ def stop_up(up: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def up_beside_taken_ports(tmp_path_factory) -> Iterator[tuple[subprocess.Popen, str, Path]]:
     """``make up`` started while its default ports are taken, no port set, the tiny model named
-    (not a folder) with LOOPLINE_MODELS_DIR holding it, LOOPLINE_JOBS_DIR beside the state dir: the
-    process, its ``ports:`` line, its state dir. Stopped at the end; the tests need no more than
-    its start (NATS up, the replica loading)."""
+    (not a folder) with LOOPLINE_MODELS_DIR holding it, LOOPLINE_JOBS_DIR beside the state dir, API
+    keys on (LOOPLINE_API_KEYS_FILE, holding ``KEY``): the process, its ``ports:`` line, its state
+    dir. Stopped at the end; most tests need no more than its start (NATS up, the replica loading),
+    one waits until it is up."""
     state = tmp_path_factory.mktemp("up") / "state"
     jobs = state.parent / "jobs"
+    keys_file = state.parent / "api-keys.json"
+    key_store.write_key_file(keys_file, key_store.KeyFile(keys=[key_store.KeyEntry(
+        name="alice", sha256=key_store.key_hash(KEY), scopes=["inference"])]))
     tiny_model()  # prepared under MODELS_DIR, as a shared models folder is
     environ = {k: v for k, v in os.environ.items()
-               if k not in ("LOOPLINE_PORT", "LOOPLINE_NATS_PORT", "LOOPLINE_NATS_MONITOR_PORT")}
+               if k not in ("LOOPLINE_PORT", "LOOPLINE_NATS_PORT", "LOOPLINE_NATS_MONITOR_PORT",
+                            "LOOPLINE_API_KEYS")}
     env = {**environ, "LOOPLINE_MODEL": "tiny", "LOOPLINE_STATE_DIR": str(state),
-           "LOOPLINE_MODELS_DIR": str(MODELS_DIR), "LOOPLINE_JOBS_DIR": str(jobs)}
+           "LOOPLINE_MODELS_DIR": str(MODELS_DIR), "LOOPLINE_JOBS_DIR": str(jobs),
+           "LOOPLINE_API_KEYS_FILE": str(keys_file)}
     with listening_on(list(DEFAULT_PORTS.values())):
         up = subprocess.Popen([sys.executable, "-m", "loopline.common.local.up"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -169,6 +189,26 @@ def test_taken_default_ports_move_to_free_ones_and_are_printed(up_beside_taken_p
         time.sleep(0.2)
     with socket.create_connection(("127.0.0.1", ports["nats_port"]), timeout=5) as client:
         assert client.recv(4096).startswith(b"INFO ")
+
+
+def test_up_with_a_keys_file_starts_and_wants_a_key(up_beside_taken_ports):
+    """With API keys on, make up's own probes still see the stack come up (they asked /v1/health
+    without a key, got 401 and waited 600 s); then the file's key is served and no key is 401."""
+    up, _said, _state = up_beside_taken_ports
+    lines: list[str] = []
+    deadline = time.monotonic() + 300
+    while not lines or "Loopline is up" not in lines[-1]:
+        assert time.monotonic() < deadline and up.poll() is None, "".join(lines)
+        lines.append(up.stdout.readline())
+    url = re.search(r"Loopline is up: (\S+)", lines[-1]).group(1)
+    keyed = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert keyed.status_code == 200 and [m["id"] for m in keyed.json()["data"]] == ["tiny"], keyed.text
+    for path in ("/v1/models", "/v1/health"):
+        unkeyed = httpx.get(f"{url}{path}", timeout=10)
+        assert unkeyed.status_code == 401 and "missing API key" in unkeyed.text, (path, unkeyed.text)
+    wrong = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer tml-not-a-key"}, timeout=10)
+    assert wrong.status_code == 401 and "invalid API key" in wrong.text, wrong.text
+    assert httpx.get(f"{url}/v1/health/keepalive", timeout=10).status_code == 200  # the open probe
 
 
 def test_the_models_dir_set_is_used_and_nothing_is_prepared_again(up_beside_taken_ports):

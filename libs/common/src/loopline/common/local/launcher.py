@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,15 +102,26 @@ def _spawn(name: str, argv: list[str], log_path: Path, env: dict[str, str] | Non
     return Proc(name, popen, log_path)
 
 
-def _wait_http(url: str, proc: Proc, timeout_s: float, ok=lambda body: True) -> None:
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The header a request to a gateway with API keys carries; none without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _wait_http(url: str, proc: Proc, timeout_s: float, ok=lambda body: True,
+               headers: dict[str, str] | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not proc.alive():
             raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
+        request = urllib.request.Request(url, headers=headers or {})
         try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
+            with urllib.request.urlopen(request, timeout=1) as resp:
                 if resp.status == 200 and ok(resp.read()):
                     return
+        except urllib.error.HTTPError as exc:
+            if exc.code in (401, 403):  # asking again cannot help: say so now, not after timeout_s
+                raise RuntimeError(f"{proc.name} refused the readiness probe at {url}: {exc.code} "
+                                   f"{exc.read().decode(errors='replace')[:300]}") from None
         except OSError:
             pass
         time.sleep(0.05)
@@ -140,14 +152,14 @@ def start_service(service: str, env: dict[str, str], log_path: Path, replica: st
     return _spawn(name, [sys.executable, "-m", SERVICE_MODULES[service]], log_path, env)
 
 
-def wait_gateway_ready(proc: Proc, url: str, timeout_s: float = 300) -> None:
-    """Ready means the gateway answers and at least one inference replica reported in."""
-    import json
+def wait_gateway_ready(proc: Proc, url: str, timeout_s: float = 300, api_key: str | None = None) -> None:
+    """Ready means the gateway answers and at least one inference replica reported in. With API keys
+    on, /v1/health wants one: ``api_key`` (refused, this raises at once)."""
 
     def inference_up(body: bytes) -> bool:
         return json.loads(body).get("vllm") == "up"
 
-    _wait_http(f"{url}/v1/health", proc, timeout_s, inference_up)
+    _wait_http(f"{url}/v1/health", proc, timeout_s, inference_up, bearer(api_key))
 
 
 def stop(proc: Proc, timeout_s: float = 10.0, sig: int = signal.SIGTERM) -> None:

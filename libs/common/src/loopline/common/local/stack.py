@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -34,6 +35,24 @@ from loopline.common.runtime import nats_auth
 KEY_SEPARATOR = "__"
 REPLICAS_VARIABLE = "LOOPLINE_INFERENCE_REPLICAS"
 SERVED_NAME_VARIABLE = "LOOPLINE_SERVED_MODEL_NAME"
+# The gateway's API keys (GatewaySettings.api_keys / api_keys_file): either one set turns them on.
+PLAIN_KEYS_VARIABLE = "LOOPLINE_API_KEYS"
+KEYS_FILE_VARIABLE = "LOOPLINE_API_KEYS_FILE"
+
+
+def probe_key(environ: Mapping[str, str]) -> tuple[str | None, dict[str, str]]:
+    """The key the stack's own readiness probes send (``/v1/health`` wants one once keys are on), and
+    what the gateway's environment gains for it. A plain key the user gave is used as it is (adding
+    one would renumber theirs, ``LOOPLINE_API_KEYS#<n>``, and so their jobs' owner); with a keys file
+    only (it holds hashes, no key), a fresh random key that lives in the gateway's environment and this
+    process only, for as long as the stack runs. No keys: no key, nothing added."""
+    plain = [key.strip() for key in environ.get(PLAIN_KEYS_VARIABLE, "").split(",") if key.strip()]
+    if plain:
+        return plain[0], {}
+    if KEYS_FILE_VARIABLE in environ:  # set at all, even empty, GatewaySettings turns keys on
+        key = "tml-probe-" + secrets.token_urlsafe(32)  # 256 bits; tml-: the Tinker SDK's prefix
+        return key, {PLAIN_KEYS_VARIABLE: key}
+    return None, {}
 
 
 def model_key(model: str) -> str:
@@ -118,6 +137,8 @@ class LocalStack:
         self.nats_auth = nats_auth
         # Per-deployment variables come from the stack's environment as much as from ``env``.
         self.deployments = plan_deployments(model, replicas, {**os.environ, **self.extra_env})
+        # With API keys on, the probes (wait_gateway_ready, wait_deployments_served) carry this one.
+        self.probe_key, self.probe_env = probe_key({**os.environ, **self.extra_env})
         self.nats: launcher.Proc | None = None
         self.queue: launcher.Proc | None = None
         self.trainer: launcher.Proc | None = None
@@ -159,7 +180,7 @@ class LocalStack:
         }
 
     def gateway_env(self) -> dict[str, str]:
-        return {**self.env(), "LOOPLINE_MODEL": self.default_model}
+        return {**self.env(), "LOOPLINE_MODEL": self.default_model, **self.probe_env}
 
     def replica_env(self, deployment: Deployment) -> dict[str, str]:
         return {**self.env(), "LOOPLINE_MODEL": deployment.model, **deployment.env}
@@ -194,7 +215,8 @@ class LocalStack:
                     self.start_replica(name, deployment)
             self.gateway = launcher.start_service("gateway", self.gateway_env(), self.logs / "gateway.log")
             deadline = time.monotonic() + ready_timeout_s
-            launcher.wait_gateway_ready(self.gateway, self.url, timeout_s=ready_timeout_s)
+            launcher.wait_gateway_ready(self.gateway, self.url, timeout_s=ready_timeout_s,
+                                        api_key=self.probe_key)
             self.wait_deployments_served(deadline)
         except BaseException:
             self.stop()
@@ -212,7 +234,9 @@ class LocalStack:
                 raise RuntimeError(f"{dead[0].name} exited with {dead[0].popen.returncode}:\n"
                                    f"{dead[0].log_tail()}")
             try:
-                with urllib.request.urlopen(f"{self.url}/v1/health", timeout=2) as resp:
+                request = urllib.request.Request(f"{self.url}/v1/health",
+                                                 headers=launcher.bearer(self.probe_key))
+                with urllib.request.urlopen(request, timeout=2) as resp:
                     replicas = json.loads(resp.read()).get("services", {}).get("vllm", [])
                 served = {r.get("model") for r in replicas}
                 if expected <= served:
@@ -255,7 +279,7 @@ class LocalStack:
         proc = launcher.start_service(service, env, old.log_path)
         setattr(self, attribute, proc)
         if service == "gateway":
-            launcher.wait_gateway_ready(proc, self.url)
+            launcher.wait_gateway_ready(proc, self.url, api_key=self.probe_key)
         return proc
 
     def restart_replica(self, name: str, *, kill: bool = True) -> launcher.Proc:

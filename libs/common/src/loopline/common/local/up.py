@@ -7,6 +7,8 @@ controller answers, else to a local process per job; their directories are under
 ``<state dir>/jobs``, where the checkpoint-watcher picks up their checkpoints. ``LOOPLINE_MODEL`` may
 name several models, each a deployment of its own (stack.py says how to set one deployment's flags).
 On 127.0.0.1 a job's own ``ml/`` code is allowed unless ``LOOPLINE_ALLOW_USER_CODE`` says otherwise.
+With API keys on (``LOOPLINE_API_KEYS`` or ``LOOPLINE_API_KEYS_FILE``) its readiness probes carry a key
+(``stack.probe_key``): the user's first plain key, else one of its own that only the gateway gets.
 
 Ports: the gateway's (8000), NATS's client (4222) and monitoring (8222) ports are their defaults
 while nothing listens there; a default that is taken (another ``make up``) moves to a free port, one
