@@ -1,7 +1,7 @@
 """The gateway's OpenAPI document as a real gateway process serves it: vLLM's own request bodies on the
 relayed routes (vllm_openapi.json, which must be what the installed vLLM documents), every other
 route's statuses and API-key scope as it declares them where it is defined (route_spec.declare), the
-middleware's 401 and 413, and no dangling reference.
+middleware's 401, 403 (a cross-site browser request) and 413, and no dangling reference.
 Whether the routes answer only what is listed is the fuzz run's job (tests/e2e/test_fuzz.py)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 from loopline.common.contracts.schemas import QUEUED_ROUTES
 from loopline.common.local import launcher
 from loopline.gateway.app import ROUTERS
+from loopline.gateway.auth.same_origin import SAFE_METHODS
 from loopline.gateway.auth.scopes import ANY_KEY, OPEN, SCOPES
 from loopline.gateway.core.openapi_docs import STATUSES, VLLM_OPENAPI, vllm_document
 from loopline.gateway.core.route_spec import SCOPE
@@ -63,7 +64,7 @@ def test_relayed_routes_take_vllms_request_bodies(document):
         operation = ops["POST", path]
         assert operation["requestBody"] == vllm["paths"][path]["requestBody"], path
         statuses = {int(s) for s in operation["responses"]}
-        assert statuses >= set(STATUSES) | {413}, path
+        assert statuses >= set(STATUSES) | {403, 413}, path  # 403: a browser page of another origin
         assert 500 not in statuses and 401 not in statuses, path  # no API keys on this gateway
     assert ops["POST", "/v1/chat/completions"]["requestBody"]["content"]["application/json"]["schema"] == \
         {"$ref": "#/components/schemas/ChatCompletionRequest"}
@@ -83,10 +84,14 @@ def test_every_other_route_lists_the_statuses_it_answers(document):
     assert set(own) == set(declared) | {("GET", "/metrics")}
     for key, operation in own.items():
         statuses = {int(s) for s in operation["responses"]}
-        assert statuses == {200, 413, *declared.get(key, ())}, key
+        # Every method that can change state may be refused as cross-site (auth/same_origin.py).
+        cross_site = {403} if key[0] not in SAFE_METHODS else set()
+        assert statuses == {200, 413, *cross_site, *declared.get(key, ())}, key
+        if cross_site:
+            assert "LOOPLINE_ALLOWED_ORIGINS" in operation["responses"]["403"]["description"], key
         assert all(answer["content"] for answer in operation["responses"].values()), key
     assert {int(s) for s in ops["POST", "/v1/generate"]["responses"]} == {
-        200, 400, 404, 413, 422, 429, 503}
+        200, 400, 403, 404, 413, 422, 429, 503}
     # A declared media type replaces FastAPI's JSON: a stream of lines, Prometheus text.
     assert list(ops["GET", "/v1/megatron/events"]["responses"]["200"]["content"]) == ["text/event-stream"]
     assert list(ops["GET", "/metrics"]["responses"]["200"]["content"]) == ["text/plain"]
@@ -134,4 +139,4 @@ def test_with_api_keys_every_keyed_route_lists_401_403_and_429(nats_proc, tmp_pa
         need = operation[SCOPE]
         responses = operation["responses"]
         assert ("401" in responses) == ("429" in responses) == (need != OPEN), (method, path)
-        assert ("403" in responses) == (need in SCOPES), (method, path)
+        assert ("403" in responses) == (need in SCOPES or method not in SAFE_METHODS), (method, path)

@@ -14,6 +14,7 @@ from loopline.common.runtime.telemetry import tracer
 from loopline.gateway.auth.api_keys import ApiKeys
 from loopline.gateway.auth.key_limits import KeyLimits
 from loopline.gateway.auth.key_store import KeyStore
+from loopline.gateway.auth.same_origin import SameOrigin
 from loopline.gateway.core import errors, openapi_docs
 from loopline.gateway.core.body_limit import BodyLimit
 from loopline.gateway.gateway import Gateway
@@ -62,6 +63,9 @@ def create_app(settings: GatewaySettings, gateway: Gateway) -> FastAPI:
         log.warning("the gateway listens on %s with no API keys: anyone who can reach it can infer, "
                     "train and clear the queue; set LOOPLINE_API_KEYS_FILE (`loopline keys create`) "
                     "or listen on 127.0.0.1", settings.host)
+    # Outside the keys and the body limit: a browser page of another origin is refused before its
+    # key is looked at or any of its body read.
+    app.add_middleware(SameOrigin, allowed=settings.allowed_origin_set)
     app.add_middleware(TraceRequests)
     # The document lists every route's statuses and vLLM's request bodies (openapi_docs.py).
     openapi_docs.install(app, api_keys=keyed)

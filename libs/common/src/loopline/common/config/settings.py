@@ -128,10 +128,20 @@ class GatewaySettings(CommonSettings):
     api_keys_file: Path | None = Field(default=None, description=(
         "A JSON file of hashed API keys, each with its scopes (`inference`, `training`, `admin`) and "
         "limits, written by `loopline keys`; when set, keys are on (with `LOOPLINE_API_KEYS` too)."))
+    # Empty: a browser page may change state only from the gateway's own origin (auth/same_origin.py).
+    allowed_origins: str = Field(default="", description=(
+        "Comma-separated origins (`https://app.example.com`) of web pages whose browsers may send "
+        "the gateway state-changing requests (anything but GET, HEAD, OPTIONS) besides its own "
+        "origin; other pages' get 403, decided from `Origin` and `Sec-Fetch-Site`. Clients that are "
+        "not browsers send neither header and are not affected."))
 
     @property
     def api_key_set(self) -> frozenset[str]:
         return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())
+
+    @property
+    def allowed_origin_set(self) -> frozenset[str]:
+        return frozenset(o.strip() for o in self.allowed_origins.split(",") if o.strip())
 
 
 class QueueSettings(CommonSettings):

@@ -9,7 +9,8 @@ replica. The gateway does not import vLLM (its image has none), so they come fro
 (tests/gateway/test_openapi.py fails when the file is not what the installed vLLM writes). The
 gateway's own answers add the queue's statuses (admission, durability, time-outs) to vLLM's. Every
 other route declares its statuses and scope where it is defined (route_spec.declare): ``install``
-gives them the error shape they are answered in, and adds the middleware's 401, 403, 413 and 429.
+gives them the error shape they are answered in, and adds the middleware's 401, 403, 413 and 429
+(403 on every method that can change state: a browser page of another origin, auth/same_origin.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from loopline.common.contracts.schemas import QUEUED_ROUTES
+from loopline.gateway.auth.same_origin import SAFE_METHODS
 from loopline.gateway.auth.scopes import INFERENCE, OPEN, SCOPES
 from loopline.gateway.core.errors import is_openai_path
 from loopline.gateway.core.route_spec import GATEWAY_ERROR, SCOPE
@@ -60,6 +62,9 @@ MIDDLEWARE_STATUSES = {
          "`Retry-After`",
     413: "the body is larger than the limit (`LOOPLINE_MAX_BODY_BYTES`, or the upload limit)",
 }
+# What SameOrigin (auth/same_origin.py) answers on every method that can change state.
+CROSS_SITE_403 = ("a browser page of another origin sent the request (`Origin`, `Sec-Fetch-Site`; "
+                  "the message says which): trusted origins are listed in `LOOPLINE_ALLOWED_ORIGINS`")
 
 
 @cache
@@ -105,7 +110,7 @@ def complete(doc: dict[str, Any], *, api_keys: bool) -> None:
             raise RuntimeError(f"the schema {name!r} is both the gateway's and vLLM's: rename the gateway's")
     for path, operations in doc["paths"].items():
         error = OPENAI_ERROR if is_openai_path(path) else DETAIL_ERROR
-        for operation in operations.values():
+        for method, operation in operations.items():
             responses = operation["responses"]
             if path not in QUEUED_ROUTES:
                 # FastAPI's default 422 (its HTTPValidationError) is not what errors.py answers; a
@@ -127,6 +132,11 @@ def complete(doc: dict[str, Any], *, api_keys: bool) -> None:
             for status, text in statuses.items():
                 responses.setdefault(str(status), {"description": text,
                                                    "content": {"application/json": {"schema": error}}})
+            if method.upper() not in SAFE_METHODS:
+                # Beside a route's own or the key's 403, both causes are listed.
+                refused = responses.setdefault("403", {"description": "",
+                                                       "content": {"application/json": {"schema": error}}})
+                refused["description"] = "; or ".join(filter(None, [refused["description"], CROSS_SITE_403]))
 
 
 # --- vllm_openapi.json, from vLLM itself (needs vLLM installed) -------------------------------------

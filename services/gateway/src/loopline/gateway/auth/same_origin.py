@@ -1,0 +1,95 @@
+"""Refuse what a web page in a browser sends the gateway from another origin.
+
+A ``multipart/form-data``, ``text/plain`` or form POST is a CORS "simple" request: a browser sends
+it without asking first, so any page its user visits could ``fetch(..., {mode: "no-cors"})`` a
+training archive (whose shipped ``ml/`` code then runs), clear the queue or spend the deployment's
+compute, against a gateway on the user's own machine (``make up``) or network. It cannot read the
+answer, but the harm is done by then. Browsers say where a request comes from (``Origin`` on every
+state-changing request, ``Sec-Fetch-Site`` on every request of current ones) and a page cannot
+forge either, so the gateway refuses, with 403, a request that is not GET, HEAD or OPTIONS when
+
+- ``Origin`` is present and is neither the gateway's own origin (the scheme and ``Host`` the
+  request came to) nor one of ``LOOPLINE_ALLOWED_ORIGINS`` (``Origin: null``, a sandboxed frame or
+  a ``file:`` page, is never either), or
+- ``Sec-Fetch-Site`` is ``cross-site`` or ``same-site`` and ``Origin`` is not an allowed one.
+
+Clients that are not browsers (openai, scalarlm, the tinker SDK, curl, the CLI) send neither header
+and are let through as before. Plain ASGI and outside the API keys and the body limit, so a refused
+request is answered before its key is looked at or any of its body is read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from loopline.gateway.core.errors import error_body
+
+# What cannot change state (and CORS preflights, which a gateway without CORS never approves).
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# Sec-Fetch-Site values that say the page is not the gateway's own ("same-site" is another port or
+# subdomain: another origin all the same).
+FOREIGN_SITES = frozenset({b"cross-site", b"same-site"})
+SETTING = "LOOPLINE_ALLOWED_ORIGINS"
+DEFAULT_PORTS = {"http": "80", "https": "443"}
+log = logging.getLogger(__name__)
+
+
+def normalize_origin(origin: str) -> str:
+    """``scheme://host[:port]`` lower-cased, without a trailing slash or the scheme's default port,
+    as browsers write ``Origin``."""
+    origin = origin.strip().rstrip("/").lower()
+    scheme, sep, host = origin.partition("://")
+    port = DEFAULT_PORTS.get(scheme)
+    if sep and port and host.endswith(f":{port}"):
+        host = host[: -len(port) - 1]
+    return f"{scheme}{sep}{host}"
+
+
+class SameOrigin:
+    def __init__(self, app, *, allowed: frozenset[str]):
+        self.app = app
+        self.allowed = frozenset(normalize_origin(o) for o in allowed)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in SAFE_METHODS:
+            return await self.app(scope, receive, send)
+        origin = site = None
+        for name, value in scope["headers"]:  # a few headers: cheaper than building a dict
+            if name == b"origin":
+                origin = value
+            elif name == b"sec-fetch-site":
+                site = value
+        if origin is None and site is None:  # not a browser (or one too old to say): as before
+            return await self.app(scope, receive, send)
+        why = self._refusal(scope, origin, site)
+        if why is None:
+            return await self.app(scope, receive, send)
+        log.info("refused a cross-site %s %s: %s", scope["method"], scope["path"], why)
+        message = (f"cross-site request refused: {why}. The gateway accepts state-changing requests "
+                   f"from browser pages of its own origin only; list other trusted origins in "
+                   f"{SETTING} (comma-separated, e.g. https://app.example.com)")
+        payload = json.dumps(error_body(scope["path"], 403, message, type="permission_error")).encode()
+        await send({"type": "http.response.start", "status": 403,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
+
+    def _refusal(self, scope, origin: bytes | None, site: bytes | None) -> str | None:
+        """Why the request is refused, or None to let it through."""
+        page = normalize_origin(origin.decode("latin-1")) if origin is not None else None
+        if page == "null":  # sandboxed frames, file: pages, some redirects: no origin to trust
+            return "a browser page sent it with 'Origin: null'"
+        if page is not None and page in self.allowed:
+            return None
+        if site is not None and site.strip().lower() in FOREIGN_SITES:
+            named = f" (Origin {page!r})" if page is not None else ""
+            return f"a browser page of another site sent it (Sec-Fetch-Site: {site.decode('latin-1')}){named}"
+        if page is not None and page != self._own_origin(scope):
+            return f"a browser page of origin {page!r} sent it, not one of this gateway's"
+        return None
+
+    @staticmethod
+    def _own_origin(scope) -> str:
+        host = next((v for k, v in scope["headers"] if k == b"host"), b"").decode("latin-1")
+        return normalize_origin(f"{scope.get('scheme', 'http')}://{host}")
