@@ -23,7 +23,7 @@ from nats.js.errors import NotFoundError, ObjectNotFoundError
 from loopline.common.config.settings import TrainerSettings
 from loopline.common.contracts import job_env, subjects
 from loopline.common.contracts.job_layout import CODE_DIR, DATASET_FILE
-from loopline.common.contracts.job_schemas import JobStatus, JobSubmit
+from loopline.common.contracts.job_schemas import JobStatus, JobSubmit, OwnerFilter
 from loopline.common.contracts.train_params import JobConfig, TrainParams
 from loopline.common.runtime import adapter_retire, bus
 from loopline.trainer import jobdir, shipped_code
@@ -57,8 +57,9 @@ class JobControl:
     def lock(self, job_hash: str) -> asyncio.Lock:
         return self._locks[job_hash]
 
-    async def find(self, ref: str) -> Job:
-        return await asyncio.to_thread(self.registry.resolve, ref)
+    async def find(self, ref: str, owner: OwnerFilter = None) -> Job:
+        """The job ``ref`` names, among ``owner``'s jobs (job_schemas.OwnerFilter)."""
+        return await asyncio.to_thread(self.registry.resolve, ref, owner)
 
     async def _fresh(self, ref: str) -> Job:
         """The job as it is now (call under its lock): it may have changed while we waited."""

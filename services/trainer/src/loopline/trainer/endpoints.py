@@ -19,6 +19,7 @@ from loopline.common.contracts import subjects
 from loopline.common.contracts.job_schemas import (
     ClusterInfo,
     JobList,
+    JobListRequest,
     JobRef,
     JobSubmit,
     LogLine,
@@ -85,11 +86,13 @@ class Endpoints:
         return await asyncio.to_thread(job_info, job)
 
     async def get(self, req: Request) -> BaseModel:
-        job = await self.control.find(_parse(req, JobRef).job)
+        ref = _parse(req, JobRef)
+        job = await self.control.find(ref.job, ref.owner)
         return await asyncio.to_thread(job_info, job)
 
     async def list(self, req: Request) -> BaseModel:
-        jobs = await asyncio.to_thread(self.control.registry.list)
+        owner = _parse(req, JobListRequest).owner
+        jobs = await asyncio.to_thread(self.control.registry.list, owner)
         return JobList(jobs=await asyncio.to_thread(lambda: [job_info(job) for job in jobs]))
 
     async def cancel(self, req: Request) -> BaseModel:
@@ -108,7 +111,7 @@ class Endpoints:
         request = _parse(req, LogsRequest)
         if request.starting_line_number < 0 or request.limit < 0:
             raise InvalidRequest("starting_line_number and limit must not be negative")
-        job = await self.control.find(request.job)
+        job = await self.control.find(request.job, request.owner)
         start, limit = request.starting_line_number, request.limit
         lines = await asyncio.to_thread(
             lambda: [LogLine(line_number=n, line=text)

@@ -20,7 +20,7 @@ from prometheus_client.metrics_core import Metric
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from loopline.common.contracts.job_schemas import JobStatus
+from loopline.common.contracts.job_schemas import JobStatus, OwnerFilter
 from loopline.common.contracts.train_params import TrainParams, canonical
 from loopline.common.db.rows import JobRow
 from loopline.trainer.errors import InvalidRequest, JobNotFound
@@ -93,23 +93,27 @@ class Registry:
             row = s.get(JobRow, job_hash)
             return Job.from_row(row) if row else None
 
-    def resolve(self, ref: str) -> Job:
-        """A job by its hash, a unique prefix of it, or ``latest`` (the newest)."""
+    def resolve(self, ref: str, owner: OwnerFilter = None) -> Job:
+        """A job by its hash, a unique prefix of it, or ``latest`` (the newest), among ``owner``'s
+        jobs (every job when None): another key's job is the same 404 as one that does not exist,
+        and neither ``latest`` nor a prefix ever names it or counts it."""
         ref = ref.strip()
         if not ref:
             raise InvalidRequest("no job named: give a job hash, a prefix of one, or 'latest'")
+        visible = sa.true() if owner is None else JobRow.owner == owner
         with Session(self.engine) as s:
             if ref == LATEST:
-                row = s.scalars(sa.select(JobRow).order_by(JobRow.created_at.desc()).limit(1)).first()
+                row = s.scalars(sa.select(JobRow).where(visible)
+                                .order_by(JobRow.created_at.desc()).limit(1)).first()
                 if row is None:
                     raise JobNotFound("there are no training jobs yet")
                 return Job.from_row(row)
             row = s.get(JobRow, ref)
-            if row is not None:
+            if row is not None and (owner is None or row.owner == owner):
                 return Job.from_row(row)
             escaped = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
             rows = s.scalars(
-                sa.select(JobRow).where(JobRow.job_hash.like(f"{escaped}%", escape="\\")).limit(2)
+                sa.select(JobRow).where(visible, JobRow.job_hash.like(f"{escaped}%", escape="\\")).limit(2)
             ).all()
         if not rows:
             raise JobNotFound(f"no training job {ref!r}")
@@ -117,9 +121,11 @@ class Registry:
             raise InvalidRequest(f"{ref!r} names more than one job: give more of the hash")
         return Job.from_row(rows[0])
 
-    def list(self) -> list[Job]:
+    def list(self, owner: OwnerFilter = None) -> builtins.list[Job]:
+        """Newest first, ``owner``'s jobs only (every job when None)."""
+        visible = sa.true() if owner is None else JobRow.owner == owner
         with Session(self.engine) as s:
-            rows = s.scalars(sa.select(JobRow).order_by(JobRow.created_at.desc())).all()
+            rows = s.scalars(sa.select(JobRow).where(visible).order_by(JobRow.created_at.desc())).all()
             return [Job.from_row(r) for r in rows]
 
     def to_reconcile(self) -> builtins.list[Job]:  # in this class, `list` is the method above

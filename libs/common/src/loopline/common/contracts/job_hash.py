@@ -44,9 +44,14 @@ def canonical_json(params: Mapping[str, Any]) -> bytes:
                       allow_nan=False).encode()
 
 
-def job_hash(params: Mapping[str, Any], dataset_sha256: str, code_sha256: str | None = None) -> str:
+def job_hash(params: Mapping[str, Any], dataset_sha256: str, code_sha256: str | None = None,
+             owner: str | None = None) -> str:
     """The hash naming the job; ``params`` are the canonical params (``train_params.canonical``).
     The parts are hashed as one canonical JSON object, so no two different (params, dataset, code)
-    can run together into the same bytes."""
-    whole = {"params": params, "dataset_sha256": dataset_sha256, "code_sha256": code_sha256}
+    can run together into the same bytes. ``owner`` (the submitting API key's name, when keys are
+    on) is part of it: two tenants submitting the same content get a job each, rather than one
+    reading the other's (gateway/auth/tenancy.py); without keys the hash is what it always was."""
+    whole: dict[str, Any] = {"params": params, "dataset_sha256": dataset_sha256, "code_sha256": code_sha256}
+    if owner is not None:
+        whole["owner"] = owner
     return hashlib.sha256(canonical_json(whole)).hexdigest()

@@ -42,14 +42,25 @@ class JobSubmit(BaseModel):
     examples: int
     code_sha256: Sha256Hex | None = None  # object name of a deterministic tar of the job's own ml/
     # The name of the API key that submitted it (gateway/auth/api_keys.py); None when keys are off. A key
-    # without the admin scope may cancel or restart only its own jobs.
+    # without the admin scope sees and controls only its own jobs (gateway/auth/tenancy.py).
     owner: str | None = Field(default=None, max_length=64)
+
+
+# The ``owner`` of a request below: the trainer answers only among the jobs of that API key, as if
+# the others did not exist (a hash, prefix or ``latest`` resolves among them alone, another's job is
+# the same 404 as an unknown one). None: among every job (no keys, or an admin key).
+OwnerFilter = str | None
 
 
 class JobRef(BaseModel):
     """A job named by its hash, a unique prefix of it, or ``latest``."""
 
     job: str
+    owner: OwnerFilter = None
+
+
+class JobListRequest(BaseModel):
+    owner: OwnerFilter = None
 
 
 class HistoryPoint(BaseModel):
@@ -119,6 +130,7 @@ class JobEvent(BaseModel):
 
 class LogsRequest(BaseModel):
     job: str
+    owner: OwnerFilter = None
     starting_line_number: int = 0
     limit: int = 1000
 

@@ -8,7 +8,7 @@ asks again from there), ``event`` its kind, ``data`` the event's JSON without it
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol, TypeVar
 
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -47,10 +47,12 @@ def _never(_event: object) -> bool:
 
 
 async def sse(sub: JetStreamContext.PushSubscription, parse: Callable[[bytes], E], *, over: bool,
-              keep: Callable[[E], bool] = _always, ends: Callable[[E], bool] = _never) -> AsyncIterator[str]:
+              keep: Callable[[E], bool | Awaitable[bool]] = _always,
+              ends: Callable[[E], bool] = _never) -> AsyncIterator[str]:
     """The events ``sub`` delivers, as SSE text: those ``keep`` accepts are sent; the stream ends
     after an event ``ends`` says is the last, or (``over``: nothing more will come) once the stored
     history has been sent. A stream that neither ends nor is over runs until the client leaves.
+    ``keep`` may be a coroutine function (it may ask who owns the event's job: auth/tenancy.py).
     ``parse`` is the schema's ``model_validate_json``; a message it refuses is skipped."""
     # Invariant: stored events are read once each, in stream order, and each one kept is sent once.
     try:
@@ -67,7 +69,8 @@ async def sse(sub: JetStreamContext.PushSubscription, parse: Callable[[bytes], E
             except ValidationError as exc:
                 log.warning("skipping a malformed event on %s: %s", msg.subject, exc)
                 continue
-            if keep(event):
+            kept = keep(event)
+            if kept if isinstance(kept, bool) else await kept:
                 data = event.model_dump_json(exclude_none=True)
                 yield f"id: {msg.metadata.sequence.stream}\nevent: {event.kind}\ndata: {data}\n\n"
             if ends(event) or (over and msg.metadata.num_pending == 0):

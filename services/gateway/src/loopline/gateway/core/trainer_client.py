@@ -23,10 +23,12 @@ from loopline.common.contracts.job_schemas import (
     ClusterInfo,
     JobInfo,
     JobList,
+    JobListRequest,
     JobRef,
     JobSubmit,
     LogLines,
     LogsRequest,
+    OwnerFilter,
     SqueueReply,
 )
 from loopline.common.runtime.service_client import Reply, ServiceClient, ServiceError
@@ -52,13 +54,14 @@ class TrainerClient:
         except ServiceError as exc:
             raise from_service_error(exc) from exc
 
-    async def get(self, job: str, timeout_s: float | None = None) -> JobInfo:
-        return await self.call(subjects.SVC_TRAINER_GET, JobRef(job=job), JobInfo, timeout_s)
+    async def get(self, job: str, owner: OwnerFilter = None, timeout_s: float | None = None) -> JobInfo:
+        """The job ``job`` names among ``owner``'s (auth/tenancy.py): another key's is a 404."""
+        return await self.call(subjects.SVC_TRAINER_GET, JobRef(job=job, owner=owner), JobInfo, timeout_s)
 
-    async def find(self, job_hash: str) -> JobInfo | None:
-        """The job if the trainer knows it; None when it answers 404."""
+    async def find(self, job_hash: str, owner: OwnerFilter = None) -> JobInfo | None:
+        """The job if the trainer knows it (among ``owner``'s); None when it answers 404."""
         try:
-            return await self.get(job_hash)
+            return await self.get(job_hash, owner)
         except ApiError as exc:
             if exc.status == 404:
                 return None
@@ -68,8 +71,8 @@ class TrainerClient:
         return await self.call(subjects.SVC_TRAINER_SUBMIT, job, JobInfo,
                                timeout_s=self.timeout_s * SUBMIT_TIMEOUT_FACTOR)
 
-    async def list(self) -> JobList:
-        return await self.call(subjects.SVC_TRAINER_LIST, None, JobList)
+    async def list(self, owner: OwnerFilter = None) -> JobList:
+        return await self.call(subjects.SVC_TRAINER_LIST, JobListRequest(owner=owner), JobList)
 
     async def control(self, subject: str, job: str) -> JobInfo:
         """cancel, delete or restart."""

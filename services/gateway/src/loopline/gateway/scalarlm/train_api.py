@@ -11,8 +11,8 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 
 from loopline.common.contracts import subjects
-from loopline.gateway.auth.api_keys import api_key_of
 from loopline.gateway.auth.scopes import ADMIN, TRAINING
+from loopline.gateway.auth.tenancy import tenant_of
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.route_spec import TRAINER, declare
 from loopline.gateway.gateway import gateway_of
@@ -47,27 +47,27 @@ async def train(request: Request):
 
 @router.get("/train/{job}", response_model=TrainResponse, **declare(TRAINING, {**JOB, **TRAINER}))
 async def get_training_job(job: str, request: Request):
-    """``job`` is a job hash, a unique prefix of one, or ``latest``."""
-    return respond(request, await trainer_of(request).get(job))
+    """``job`` is a job hash, a unique prefix of one, or ``latest``: among the key's own jobs
+    (auth/tenancy.py)."""
+    return respond(request, await trainer_of(request).get(job, tenant_of(request)))
 
 
 @router.get("/list_models", response_model=ModelList, **declare(TRAINING, TRAINER))
 async def list_models(request: Request):
-    jobs = await trainer_of(request).list()
+    """The key's own jobs (every job with admin, or with no keys)."""
+    jobs = await trainer_of(request).list(tenant_of(request))
     adapters = gateway_of(request).adapters
     return ModelList(models=[model_entry(info, adapters.deployed(info.job_hash)) for info in jobs.jobs])
 
 
 async def own_job(request: Request, job: str) -> str:
     """The job's hash, when the request's API key may control it: a key without the admin scope
-    only the jobs it submitted (auth/scopes.py); with no keys on, anyone any job."""
-    key = api_key_of(request)
-    if key is None or key.is_admin:
+    only the jobs it submitted (auth/tenancy.py); another key's job is the same 404 as an unknown
+    one. With no keys on, anyone any job."""
+    tenant = tenant_of(request)
+    if tenant is None:
         return job
-    info = await trainer_of(request).get(job)
-    if info.owner != key.name:
-        raise ApiError(403, f"job {info.job_hash[:12]} was not submitted with API key {key.name!r}: "
-                       "controlling another key's job needs the 'admin' scope", type="permission_error")
+    info = await trainer_of(request).get(job, tenant)
     return info.job_hash  # the job checked, even if 'latest' or the prefix now names another
 
 

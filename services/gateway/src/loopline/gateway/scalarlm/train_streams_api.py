@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from loopline.common.contracts import subjects
 from loopline.common.contracts.job_schemas import JobEvent, LogLines, LogsRequest
 from loopline.gateway.auth.scopes import TRAINING
+from loopline.gateway.auth.tenancy import tenant_of
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.event_streams import SSE_HEADERS, sse
 from loopline.gateway.core.route_spec import EVENT_STREAM, FIELDS, NO_BUS, TRAINER, declare
@@ -39,8 +40,8 @@ async def train_logs(job: str, request: Request, starting_line_number: int = Que
     so no ``data:`` prefix), served as text/event-stream. Follows the log until the job is over;
     ``follow=false`` returns what is there now."""
     trainer = gateway_of(request).trainer
-    first = await trainer.logs(LogsRequest(job=job, starting_line_number=starting_line_number,
-                                           limit=LOG_PAGE))
+    first = await trainer.logs(LogsRequest(job=job, owner=tenant_of(request),
+                                           starting_line_number=starting_line_number, limit=LOG_PAGE))
     return StreamingResponse(_log_lines(trainer, first, starting_line_number, follow),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
@@ -73,7 +74,7 @@ async def job_events(job: str, request: Request):
     of its current run. A restarted job's earlier run ended with a final event of its own, which is
     not this run's end, so the stream starts at the run's own ``queued``."""
     trainer = gateway_of(request).trainer
-    info = await trainer.get(job)
+    info = await trainer.get(job, tenant_of(request))
     run_start = await trainer.current_run_start(info.job_hash)
     sub = await trainer.follow_events(subjects.job_events(info.job_hash), from_seq=run_start)
     return StreamingResponse(sse(sub, JobEvent.model_validate_json, over=info.status.finished,
@@ -83,7 +84,35 @@ async def job_events(job: str, request: Request):
 
 @router.get("/events", **declare(TRAINING, {503: NO_BUS}, media_type=EVENT_STREAM))
 async def all_job_events(request: Request):
-    """Every job's events, stored ones first, then live; the stream does not end by itself."""
-    sub = await gateway_of(request).trainer.follow_events(subjects.JOB_EVENTS_ALL)
-    return StreamingResponse(sse(sub, JobEvent.model_validate_json, over=False),
+    """Every job's events (the key's own jobs': auth/tenancy.py), stored ones first, then live; the
+    stream does not end by itself."""
+    trainer = gateway_of(request).trainer
+    tenant = tenant_of(request)
+    sub = await trainer.follow_events(subjects.JOB_EVENTS_ALL)
+    keep = _always if tenant is None else OwnJobs(trainer, tenant).owns
+    return StreamingResponse(sse(sub, JobEvent.model_validate_json, over=False, keep=keep),
                              media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _always(_event: JobEvent) -> bool:
+    return True
+
+
+class OwnJobs:
+    """Which jobs' events one tenant's stream sends: its own, asked of the trainer once per job
+    (a job's owner never changes), so other keys' jobs stay out without a lookup per event."""
+
+    def __init__(self, trainer: TrainerClient, tenant: str):
+        self.trainer = trainer
+        self.tenant = tenant
+        self.known: dict[str, bool] = {}
+
+    async def owns(self, event: JobEvent) -> bool:
+        owned = self.known.get(event.job_hash)
+        if owned is None:
+            try:
+                owned = await self.trainer.find(event.job_hash, self.tenant) is not None
+            except ApiError:  # trainer down or slow: leave the event out, ask again at the next
+                return False
+            self.known[event.job_hash] = owned
+        return owned

@@ -23,7 +23,7 @@ from loopline.common.contracts import training_archive as archives
 from loopline.common.contracts.job_hash import job_hash as hash_job
 from loopline.common.contracts.job_schemas import JobInfo, JobSubmit
 from loopline.common.contracts.train_params import TrainParams, canonical
-from loopline.gateway.auth.api_keys import api_key_of
+from loopline.gateway.auth.tenancy import owner_of
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.trainer_client import TrainerClient
 from loopline.gateway.gateway import gateway_of
@@ -80,7 +80,7 @@ def read_archive(source: Path | IO[bytes], settings: GatewaySettings) -> archive
 async def submit_archive(request: Request, source: Path | IO[bytes], params: TrainParams) -> TrainResponse:
     settings: GatewaySettings = request.app.state.settings
     trainer = trainer_of(request)
-    key = api_key_of(request)
+    owner = owner_of(request)
     # ScalarLM fills llm_name with the served model; it is part of the job, so before hashing.
     if not params.llm_name:
         params = params.model_copy(update={"llm_name": settings.model})
@@ -89,7 +89,7 @@ async def submit_archive(request: Request, source: Path | IO[bytes], params: Tra
         try:
             # Over the canonical params (what the client set, validated: see train_params.canonical),
             # so {"seed": null} and {}, or "LoRA" and "lora", are one job.
-            job_hash = hash_job(canonical(params), archive.dataset_sha256, archive.code_sha256)
+            job_hash = hash_job(canonical(params), archive.dataset_sha256, archive.code_sha256, owner)
         except ValueError as exc:  # NaN or infinity in an unknown key: not JSON, cannot be hashed
             raise ApiError(422, f"params cannot be hashed: {exc}", param="params") from exc
         known = await trainer.find(job_hash)
@@ -104,6 +104,6 @@ async def submit_archive(request: Request, source: Path | IO[bytes], params: Tra
         info = await trainer.submit(JobSubmit(
             job_hash=job_hash, params=params, dataset_sha256=archive.dataset_sha256,
             dataset_bytes=archive.dataset_bytes, examples=archive.examples,
-            code_sha256=archive.code_sha256, owner=key.name if key is not None else None,
+            code_sha256=archive.code_sha256, owner=owner,
         ))
     return respond(request, info)

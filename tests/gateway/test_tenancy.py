@@ -1,0 +1,145 @@
+"""Tenants kept apart (auth/tenancy.py), on a real gateway process and the real trainer with a keys
+file: two training keys (``a``, ``b``), an inference key and an admin key. A key without ``admin``
+sees only its own jobs, and another key's job is answered exactly as an unknown one (the same 404,
+never its status); ``latest`` is the caller's own latest; admin sees every job. Without keys
+(the module's plain ``gateway``) everything is one user's, as before keys."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from loopline.common.contracts.job_layout import DATASET_FILE
+from loopline.common.local import launcher
+from loopline.gateway.auth.key_store import KeyEntry, KeyFile, key_hash, new_key, write_key_file
+from support.gateway_process import start_gateway
+from support.training_data import EXAMPLES, archive, jsonlines
+
+KEYS = {name: new_key() for name in ("a", "b", "infer", "boss")}
+SCOPES = {"a": ["training"], "b": ["training"], "infer": ["inference"], "boss": ["admin"]}
+# The stand-in "loads its model" this long before it writes anything: the job stays QUEUED.
+LOADING = {"standin_start_s": 120}
+UNKNOWN = "e" * 64
+
+
+@pytest.fixture(scope="module")
+def keyed(nats_proc, trainer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "api_keys.json"
+    write_key_file(path, KeyFile(keys=[KeyEntry(name=name, sha256=key_hash(key), scopes=SCOPES[name])
+                                       for name, key in KEYS.items()]))
+    gw = start_gateway(nats_proc.info["url"], tmp_path_factory.mktemp("tenants"),
+                       LOOPLINE_API_KEYS_FILE=str(path))
+    yield gw
+    launcher.stop(gw.proc)
+
+
+@pytest.fixture
+def a(keyed):
+    with client(keyed, "a") as http:
+        yield http
+
+
+@pytest.fixture
+def b(keyed):
+    with client(keyed, "b") as http:
+        yield http
+
+
+@pytest.fixture
+def boss(keyed):
+    with client(keyed, "boss") as http:
+        yield http
+
+
+def client(gw, name: str) -> httpx.Client:
+    return httpx.Client(base_url=gw.url, timeout=30,
+                        headers={"Authorization": f"Bearer {KEYS[name]}", "X-API-Key": KEYS[name]})
+
+
+def submit(http: httpx.Client, tag: str) -> str:
+    data = archive({DATASET_FILE: jsonlines([*EXAMPLES, {"input": tag, "output": "tenant"}])})
+    resp = http.post("/v1/megatron/train", files={"file": ("dataset", data, "application/octet-stream")},
+                     data={"params": json.dumps({"max_steps": 3, **LOADING})})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["job_status"]["model_name"]
+
+
+def as_unknown(resp: httpx.Response, named: str) -> tuple[int, str]:
+    """The answer with the name it was asked by replaced: comparable with the unknown job's."""
+    return resp.status_code, resp.text.replace(named, UNKNOWN)
+
+
+def unknown(http: httpx.Client, method: str, path: str) -> tuple[int, str]:
+    return as_unknown(http.request(method, path.format(job=UNKNOWN)), UNKNOWN)
+
+
+def listed(http: httpx.Client) -> set[str]:
+    resp = http.get("/v1/megatron/list_models")
+    assert resp.status_code == 200, resp.text
+    return {model["name"] for model in resp.json()["models"]}
+
+
+# Every route that names a job: another key's job is the unknown job's answer, byte for byte.
+JOB_ROUTES = [("GET", "/v1/megatron/train/{job}"), ("GET", "/v1/megatron/train/logs/{job}?follow=false"),
+              ("GET", "/v1/megatron/train/{job}/events"), ("POST", "/v1/megatron/cancel/{job}"),
+              ("POST", "/v1/megatron/restart/{job}")]
+
+
+def test_another_keys_job_is_an_unknown_job(a, b, boss):
+    job = submit(a, "a-private")
+    for method, path in JOB_ROUTES:
+        for name in (job, job[:12]):  # by hash and by prefix
+            theirs = as_unknown(b.request(method, path.format(job=name)), name)
+            assert theirs[0] == 404, (path, theirs)
+            assert theirs == unknown(b, method, path), path  # same status, same body: no status, no step
+        assert "QUEUED" not in b.request(method, path.format(job=job)).text
+    # The owner and admin read it; its owner's other keys' listing does not show it.
+    assert a.get(f"/v1/megatron/train/{job}").json()["job_status"]["status"] == "QUEUED"
+    assert boss.get(f"/v1/megatron/train/{job}").status_code == 200
+    assert job in listed(a) and job in listed(boss) and job not in listed(b)
+    assert b.get(f"/v1/megatron/train/logs/{job[:12]}?follow=false").status_code == 404
+
+
+def test_latest_is_the_callers_own(a, b, boss):
+    mine = submit(b, "b-first")
+    theirs = submit(a, "a-later")  # newer than b's: 'latest' of every job
+    assert b.get("/v1/megatron/train/latest").json()["job_status"]["model_name"] == mine
+    assert a.get("/v1/megatron/train/latest").json()["job_status"]["model_name"] == theirs
+    assert boss.get("/v1/megatron/train/latest").json()["job_status"]["model_name"] == theirs
+    # b cancels its 'latest': its own job, never a's newer one.
+    assert b.post("/v1/megatron/cancel/latest").json()["job_status"]["model_name"] == mine
+    assert a.get(f"/v1/megatron/train/{theirs}").json()["job_status"]["status"] == "QUEUED"
+    assert boss.post(f"/v1/megatron/cancel/{theirs}").status_code == 200  # admin controls any job
+
+
+def test_the_same_content_is_a_job_per_key(a, b):
+    first, second = submit(a, "same"), submit(b, "same")
+    assert first != second
+    assert a.get(f"/v1/megatron/train/{first}").json()["job_status"]["model_name"] == first
+    assert b.get(f"/v1/megatron/train/{first}").status_code == 404
+
+
+def test_the_all_jobs_stream_holds_the_keys_own_jobs(keyed, a, b):
+    theirs = submit(a, "a-streamed")
+    mine = submit(b, "b-streamed")  # after a's: its events come later in the stream
+    seen: list[str] = []
+    with client(keyed, "b") as http, http.stream("GET", "/v1/megatron/events") as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                seen.append(json.loads(line[len("data: "):])["job_hash"])
+                if mine in seen:
+                    break
+    assert theirs not in seen and mine in seen and set(seen) <= listed(b)
+
+
+def test_without_keys_every_job_is_everyones(gateway, tmp_path):
+    with httpx.Client(base_url=gateway.url, timeout=30) as one, httpx.Client(base_url=gateway.url) as two:
+        job = submit(one, "keyless")
+        assert two.get(f"/v1/megatron/train/{job}").json()["job_status"]["model_name"] == job
+        assert two.get("/v1/megatron/train/latest").json()["job_status"]["model_name"] == job
+        assert job in listed(two)
+        assert submit(two, "keyless") == job  # same content, one job, as before keys
+        assert two.post(f"/v1/megatron/cancel/{job[:12]}").status_code == 200
