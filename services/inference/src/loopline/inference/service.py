@@ -4,9 +4,11 @@ worker until told to stop.
 Loops, under the shared runtime (loopline.common.runtime.service):
   worker         WORK (this deployment's consumer) -> vLLM's app -> RESULTS, then ack (worker.py)
   adapter-loads  announced checkpoints -> new adapter versions in vLLM           (adapters.py)
-A replica whose worker died serves nothing while it still looks alive, and one whose loader died
-serves old versions forever: either ends the process (exit 1, the runtime's policy) and its
-supervisor starts a new one; the requests it held are redelivered.
+  engine-watch   vLLM's engine dead -> hand the requests back, end the process    (engine_watch.py)
+A replica whose worker died serves nothing while it still looks alive, one whose loader died
+serves old versions forever, and one whose engine died fails every request: each ends the process
+(exit 1, the runtime's policy) and its supervisor starts a new one; the requests it held are
+redelivered.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from loopline.common.contracts.schemas import DeploymentInfo
 from loopline.common.runtime import bus
 from loopline.common.runtime.service import Runtime
 from loopline.inference.adapters import AdapterManager
+from loopline.inference.engine_watch import watch_engine
 from loopline.inference.vllm_args import serve_flags
 from loopline.inference.vllm_server import VllmServer
 from loopline.inference.vllm_version import require_tested_vllm
@@ -108,7 +111,7 @@ async def run(rt: Runtime, settings: InferenceSettings) -> None:
              ",".join(server.tasks), server.max_model_len)
 
     # 5. Serve until told to stop; the requests in flight then get to finish.
-    loops = {"worker": worker.run(rt.stopping)}
+    loops = {"worker": worker.run(rt.stopping), "engine-watch": watch_engine(server, worker, rt.stopping)}
     if adapters is not None:
         loops["adapter-loads"] = adapters.run(rt.stopping)
     await rt.serve(loops)

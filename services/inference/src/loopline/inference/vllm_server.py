@@ -35,6 +35,20 @@ class AdapterRejected(Exception):
     """This server cannot serve this checkpoint, whatever we retry (the message says why)."""
 
 
+class EngineDead(Exception):
+    """vLLM's engine is gone (its engine-core process exited, or it raised a fatal error): nothing
+    this replica serves from now on can succeed, and the request at hand is not to blame."""
+
+
+class _NoUvicorn:
+    """What vLLM's engine-error handler reaches for as ``app.state.server`` (a uvicorn Server it
+    tells to exit when the engine died): there is no uvicorn in-process, and without this the
+    handler itself failed with "'State' object has no attribute 'server'" on every request after
+    the engine's death. Its flag is one more sign of death that ``VllmServer.dead`` reads."""
+
+    should_exit = False
+
+
 @dataclass
 class Answer:
     """What the app answered: the status, the media type and, for a response that is not a
@@ -109,9 +123,27 @@ class VllmServer:
         tasks = await client.get_supported_tasks()
         self.app = build_app(args, tasks, client.model_config)
         await init_app_state(client, self.app.state, args, tasks)
+        self.app.state.server = _NoUvicorn()
         self.llm = client  # type: ignore[assignment]  # an AsyncLLM: vLLM builds one in-process
         self.tasks = tuple(tasks)
         self.max_model_len = client.model_config.max_model_len
+
+    @property
+    def dead(self) -> str | None:
+        """Why vLLM's engine can serve no more (its engine-core process exited, its output handler
+        died on a fatal error), or None while it is alive. vLLM's own monitor thread notices an
+        exited engine-core process within milliseconds and marks the client dead; this reads it."""
+        llm = self.llm
+        if llm is None:
+            return None
+        if not llm.errored and not (self.app is not None and self.app.state.server.should_exit):
+            return None
+        exited = {}
+        with contextlib.suppress(Exception):  # vLLM internals: the reason is a bonus, not a need
+            exited = llm.engine_core.resources.engine_manager.finished_procs()
+        if exited:
+            return "vLLM's engine died: " + ", ".join(f"{n} exited with {code}" for n, code in exited.items())
+        return "vLLM's engine died (EngineDeadError: a fatal error in its engine core)"
 
     async def call(self, route: str, body: bytes, on_event: Callable[[bytes], Awaitable[None]],
                    *, method: str = "POST", gone: asyncio.Event | None = None) -> Answer:

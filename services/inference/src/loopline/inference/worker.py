@@ -4,6 +4,11 @@ A message is acked only after its result is durable in RESULTS, so a replica kil
 loses nothing: JetStream redelivers what it had not acked to another replica. Results carry the
 request id as ``Nats-Msg-Id``, so a request answered twice is stored once. Told to stop, the loop
 pulls nothing more and gives the requests in flight ``drain_s`` to finish before it returns.
+
+When vLLM's engine dies (``VllmServer.dead``) no request is answered with the error its death caused:
+``abandon`` cancels every request still being served and naks it, so another replica takes it at
+once, and whatever is pulled afterwards is nak'd untouched. A request whose answer is already being
+published finishes publishing (it succeeded; cancelling it could answer it twice).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from loopline.common.runtime import bus
 from loopline.common.runtime.telemetry import context_from_headers, tracer
 from loopline.inference.adapters import AdapterManager, AdapterUnavailable, Version
 from loopline.inference.vllm_answers import VersionStamp, error_of, usage_of, with_model
-from loopline.inference.vllm_server import VllmServer
+from loopline.inference.vllm_server import EngineDead, VllmServer
 
 log = logging.getLogger(__name__)
 _tracer = tracer("loopline.inference")
@@ -44,6 +49,9 @@ class Worker:
         self.ack_wait_s = ack_wait_s
         self.max_deliver = max_deliver
         self.inflight: dict[str, Msg] = {}
+        # The requests of self.inflight still being served (not yet publishing their answer): what
+        # abandon() may cancel.
+        self.serving: dict[str, asyncio.Task] = {}
         # request id -> set when its client went away (subjects.cancel), for the requests being served.
         self.gone: dict[str, asyncio.Event] = {}
         self.capacity_freed = asyncio.Event()
@@ -64,6 +72,11 @@ class Worker:
             # either in self.inflight (being generated) or already acked. Nothing is pulled once
             # ``stopping`` is set (a pull in progress still starts what it brings, at most 2 s).
             while not stopping.is_set():
+                if self.server.dead:
+                    # Pull nothing more: a request pulled now would only be nak'd, and each lap
+                    # would spend one of its deliveries. The engine watch stops the process.
+                    await stopping.wait()
+                    break
                 free = self.max_inflight - len(self.inflight)
                 if free <= 0:
                     self.capacity_freed.clear()
@@ -126,14 +139,40 @@ class Worker:
     def _start(self, msg: Msg) -> None:
         key = f"{msg.metadata.sequence.stream}"
         self.inflight[key] = msg
-        task = asyncio.create_task(self._handle(msg))
+        task = self.serving[key] = asyncio.create_task(self._handle(msg, key))
         task.add_done_callback(lambda _t: self._finished(key))
 
     def _finished(self, key: str) -> None:
         self.inflight.pop(key, None)
+        self.serving.pop(key, None)
         self.capacity_freed.set()
 
-    async def _handle(self, msg: Msg) -> None:
+    async def abandon(self, why: str) -> None:
+        """The engine died: cancel every request still being served and nak it (no delay), so
+        another replica serves it now rather than after ``ack_wait_s``."""
+        held = {key: self.inflight[key] for key in self.serving if key in self.inflight}
+        tasks = [self.serving[key] for key in held]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if held:
+            log.error("%s: handing %d requests in flight back for another replica", why, len(held))
+        for msg in held.values():
+            with contextlib.suppress(Exception):  # NATS down: ack_wait_s redelivers it anyway
+                await msg.nak()
+
+    async def _hand_back(self, msg: Msg, key: str) -> None:
+        """Nak for another replica, at once. Out of ``serving`` first: abandon() must not nak it a
+        second time, which could redeliver it while another replica serves it."""
+        self.serving.pop(key, None)
+        with contextlib.suppress(Exception):  # NATS down: ack_wait_s redelivers it anyway
+            await msg.nak()
+
+    async def _handle(self, msg: Msg, key: str) -> None:
+        if why := self.server.dead:  # pulled after the engine died: untouched, for another replica
+            log.warning("%s: handing a pulled request back", why)
+            await self._hand_back(msg, key)
+            return
         try:
             item = WorkItem.model_validate_json(msg.data)
         except ValueError:
@@ -146,7 +185,15 @@ class Worker:
             span.set_attribute("loopline.route", item.route)
             try:
                 result = await self._serve(item)
+            except EngineDead as exc:  # not this request's fault: another replica serves it
+                log.warning("serving %s: %s; handing it back", item.request_id, exc)
+                await self._hand_back(msg, key)
+                return
             except Exception as exc:  # an engine failure: let another replica try
+                if why := self.server.dead:
+                    log.warning("serving %s: %s (%s); handing it back", item.request_id, why, exc)
+                    await self._hand_back(msg, key)
+                    return
                 log.exception("serving %s failed", item.request_id)
                 if msg.metadata.num_delivered < self.max_deliver:
                     await msg.nak(delay=1.0)
@@ -154,6 +201,8 @@ class Worker:
                 # As a dead letter is: the service failed it, every time; trying later may work.
                 result = self._error(item, 503, f"serving failed on every delivery ({exc}); retry later",
                                      "server_error")
+            # Served: from here on the answer goes out whatever happens to the engine.
+            self.serving.pop(key, None)
             span.set_attribute("http.status_code", result.status)
             payload = result.model_dump_json().encode()
             if len(payload) > self.nc.max_payload:
@@ -203,6 +252,8 @@ class Worker:
         transcript: list[bytes] = []  # a stream's events as the client gets them (stamped)
 
         async def on_event(event: bytes) -> None:
+            if self.server.dead:
+                return  # the engine's dying words (an error event): another replica serves it
             if stamp is not None:
                 event = stamp.apply(event)
             if subject is not None:
@@ -215,6 +266,10 @@ class Worker:
             answer = await self.server.call(item.route, body, on_event, gone=gone)
         finally:
             self.gone.pop(item.request_id, None)
+        if why := self.server.dead:
+            # vLLM answered with the engine's death (its 500 for EngineDeadError), or the answer
+            # may be cut short: neither is this request's answer.
+            raise EngineDead(why)
         if answer.streamed:
             raw = b"".join(transcript)
         else:
