@@ -20,7 +20,7 @@ from loopline.common.contracts.job_hash import job_hash as hash_job
 from loopline.common.contracts.job_layout import CODE_DIR, DATASET_FILE, EVENTS_FILE
 from loopline.common.contracts.job_schemas import ClusterInfo, JobInfo, JobRef
 from loopline.common.contracts.train_params import JobConfig, canonical
-from loopline.trainer.jobdir import log_name
+from loopline.trainer.jobdir import control_dir, log_name, log_path
 from support.gateway_process import BASE_MODEL, MAX_MEMBERS, MAX_UPLOAD_BYTES, wait_job
 from support.training_data import EXAMPLES, archive, jsonlines, sha256
 
@@ -43,7 +43,7 @@ def post_train(http, data: bytes, params=None):
 
 def job_log(job_dir: Path, job_status: dict) -> list[str]:
     """The lines of the job's one run's log, as the local launcher captured them."""
-    return (job_dir / log_name("local", job_status["job_id"])).read_text().splitlines()
+    return log_path(job_dir, "local", job_status["job_id"]).read_text().splitlines()
 
 
 def test_train_and_get_with_the_scalarlm_client(llm, trainer):
@@ -79,13 +79,13 @@ def test_same_data_twice_is_one_job_and_one_stored_dataset(llm, http, trainer, n
     second = llm.train(examples, train_args={"max_steps": 2})
     job_hash = first["job_status"]["model_name"]
     assert second["job_status"]["model_name"] == job_hash
-    # One job, queued once and run once (one run's log in its directory).
+    # One job, queued once and run once (one run's log in its control directory).
     assert [m["name"] for m in llm.list_models()["models"]].count(job_hash) == 1
     wait_job(http, job_hash, "COMPLETED")
     job_dir = trainer.job_dir(job_hash)
     kinds = [json.loads(line)["kind"] for line in (job_dir / EVENTS_FILE).read_text().splitlines()]
     assert kinds.count("queued") == 1 and kinds[-1] == "completed"
-    assert len(list(job_dir.glob(log_name("local", "*")))) == 1
+    assert len(list(control_dir(job_dir).glob(log_name("local", "*")))) == 1
     # New params, same data: a new job that reuses the stored dataset object instead of writing it.
     dataset = sha256(jsonlines(examples))
     before = nats_bus.dataset_info(dataset)

@@ -1,6 +1,6 @@
 """What a job runs with, through the real trainer over real Slurm and the local launcher: an
 allowlist of the trainer's environment (never its database URL, API keys or NATS password), its
-own ml/ code as an unprivileged user where the trainer is root, and Loopline's own ml/ shipped back
+own ml/ code as a uid of its own where the trainer is root, and Loopline's own ml/ shipped back
 to it accepted as no user code at all."""
 
 from __future__ import annotations
@@ -15,12 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from loopline.common.contracts.job_layout import CODE_DIR, ENTRYPOINT_FILE
+from loopline.common.contracts.job_layout import CODE_DIR, DATASET_FILE, ENTRYPOINT_FILE
 from loopline.common.contracts.training_archive import deterministic_tar
 from loopline.common.runtime.service_client import ServiceError
+from loopline.trainer.jobdir import control_dir
 from loopline.trainer.shipped_code import installed_digest
+from support.root import need_root
 
-ROOT = os.geteuid() == 0
+# The per-job uids a root trainer gives user code (TrainerSettings.job_uid_range's default).
+FIRST_JOB_UID, JOB_UIDS = 200_000_000, 1_000_000
 # The job program: it writes its own environment (as the kernel handed it over, /proc/<pid>/environ)
 # and its uid into the job directory; the trainer appends "--job-dir DIR" ($1 $2).
 PROBE = ("/bin/bash -c " + shlex.quote('tr "\\0" "\\n" < /proc/$$/environ > "$2/env.txt.tmp"; '
@@ -90,9 +93,9 @@ async def test_a_job_sees_an_allowlist_of_the_trainers_environment(launcher_kind
         assert env["LOOPLINE_RUN_ID"] == info.slurm_job_id
 
 
-@pytest.mark.skipif(not ROOT, reason="only a trainer running as root drops a job to another user")
-async def test_user_code_runs_as_nobody_without_secrets(launcher_kind, start_trainer, client, jobs_dir,
-                                                        nats_url, tmp_path, monkeypatch):
+async def test_user_code_runs_as_a_uid_of_its_own_without_secrets(launcher_kind, start_trainer, client,
+                                                                  jobs_dir, nats_url, tmp_path, monkeypatch):
+    need_root()
     await start_with_secrets(start_trainer, launcher_kind, nats_url, tmp_path, monkeypatch,
                              allow_user_code="true")
     info = await client.submit({"max_steps": 1}, code=deterministic_tar({
@@ -100,24 +103,28 @@ async def test_user_code_runs_as_nobody_without_secrets(launcher_kind, start_tra
     assert info.code_origin == "shipped"
     job_dir = jobs_dir / info.job_hash
     env, uid = await probe_result(job_dir)
-    assert uid == 65534
+    assert FIRST_JOB_UID <= uid < FIRST_JOB_UID + JOB_UIDS
     assert_no_secrets(env, job_dir)
-    assert env["HOME"] == str(job_dir) and env["USER"] == "nobody"
+    assert env["HOME"] == str(job_dir) and env["USER"] == f"loopline-job-{uid}"
     assert env["PYTHONPATH"].split(":")[0] == str(job_dir / CODE_DIR)
-    assert "setpriv --reuid=65534" in (job_dir / ENTRYPOINT_FILE).read_text()
-    assert (job_dir / CODE_DIR / "mine" / "__init__.py").stat().st_uid == 65534
+    assert f"setpriv --reuid={uid} --regid={uid}" in (control_dir(job_dir) / ENTRYPOINT_FILE).read_text()
+    # Its directory and everything in it: the job's uid, the trainer's group, nobody else.
+    for path in (job_dir, job_dir / DATASET_FILE, job_dir / CODE_DIR / "mine" / "__init__.py"):
+        info = path.stat()
+        assert (info.st_uid, info.st_gid, info.st_mode & 0o007) == (uid, os.getegid(), 0), path
+    assert job_dir.stat().st_mode & 0o7777 == 0o2750
 
 
-@pytest.mark.skipif(not ROOT, reason="only a trainer running as root drops a job to another user")
 async def test_user_code_the_job_user_cannot_run_is_refused(start_trainer, client, jobs_dir, tmp_path):
-    # A program in a folder only root may enter (pytest's tmp_path): nobody could not start it.
+    need_root()
+    # A program in a folder only root may enter (pytest's tmp_path): a job's uid could not start it.
     program = tmp_path / "train.sh"
     program.write_text("#!/bin/sh\nexit 0\n")
     program.chmod(0o755)
     await start_trainer("local", train_command=str(program), allow_user_code="true")
     with pytest.raises(ServiceError) as caught:
         await client.submit({"max_steps": 1}, code=deterministic_tar({f"{CODE_DIR}/x.py": (b"", False)}))
-    assert caught.value.status == 403 and "'nobody', who cannot run" in caught.value.message
+    assert caught.value.status == 403 and "'loopline-job', who cannot run" in caught.value.message
     assert [p.name for p in jobs_dir.iterdir() if not p.name.startswith(".")] == []
 
 
@@ -150,7 +157,7 @@ async def test_shipping_loopline_own_ml_back_is_no_user_code(start_trainer, clie
     job_dir = jobs_dir / info.job_hash
     # Not unpacked, not on PYTHONPATH, not dropped to another user: the installed code runs.
     assert not (job_dir / CODE_DIR).exists()
-    entrypoint = (job_dir / ENTRYPOINT_FILE).read_text()
+    entrypoint = (control_dir(job_dir) / ENTRYPOINT_FILE).read_text()
     assert "PYTHONPATH" not in entrypoint and "setpriv" not in entrypoint
     await client.wait_status(info.job_hash, "COMPLETED")  # the stand-in, from the installed package
 

@@ -4,6 +4,7 @@ and the model path rules."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import tarfile
@@ -85,25 +86,92 @@ def test_events_are_read_by_complete_lines(tmp_path):
 
 
 def test_logs_are_stitched_across_allocations(tmp_path):
-    first, second = tmp_path / jobdir.log_name("slurm", "9"), tmp_path / jobdir.log_name("slurm", "10")
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    control = jobdir.make_control_dir(job_dir)
+    first, second = control / jobdir.log_name("slurm", "9"), control / jobdir.log_name("slurm", "10")
+    assert first == jobdir.log_path(job_dir, "slurm", "9")
     first.write_text("a\nb\n")
     second.write_text("c\n")
     os.utime(first, (1, 1))  # the earlier allocation's log stopped changing earlier
-    (tmp_path / "other.out").write_text("not a log\n")
-    assert list(jobdir.log_lines(tmp_path, 0, 100)) == [(0, "a"), (1, "b"), (2, "c")]
-    assert list(jobdir.log_lines(tmp_path, 1, 1)) == [(1, "b")]
-    assert jobdir.log_tail(tmp_path) == "c"
+    (control / "other.out").write_text("not a log\n")
+    (job_dir / jobdir.log_name("local", "1")).write_text("the job's own file, not a log\n")
+    assert list(jobdir.log_lines(job_dir, 0, 100)) == [(0, "a"), (1, "b"), (2, "c")]
+    assert list(jobdir.log_lines(job_dir, 1, 1)) == [(1, "b")]
+    assert jobdir.log_tail(job_dir) == "c"
 
 
 def test_the_entrypoint_runs_the_command_in_the_job_dir(tmp_path):
-    show = 'echo "$PWD|$LOOPLINE_JOB_DIR|$PYTHONPATH|$1"'
-    jobdir.write_entrypoint(tmp_path, ["sh", "-c", show, "x", "it's"], user_code=True)
-    out = subprocess.run([str(tmp_path / ENTRYPOINT_FILE)], stdout=subprocess.PIPE, text=True,
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    show = 'echo "$PWD|$LOOPLINE_JOB_DIR|$PYTHONPATH|$SECRET|$1"'
+    path = jobdir.write_entrypoint(job_dir, ["sh", "-c", show, "x", "it's"], user_code=True,
+                                   secret_env={"SECRET": "pw'd"})
+    assert path == jobdir.control_dir(job_dir) / ENTRYPOINT_FILE and not (job_dir / ENTRYPOINT_FILE).exists()
+    out = subprocess.run([str(path)], stdout=subprocess.PIPE, text=True,
                          env={"PATH": os.environ["PATH"]}, cwd="/", check=True).stdout
-    assert out.strip() == f"{tmp_path}|{tmp_path}|{tmp_path}/{CODE_DIR}|it's"
-    jobdir.write_entrypoint(tmp_path, ["srun", "--ntasks=2", "python", "-m", "x"], user_code=False)
-    text = (tmp_path / ENTRYPOINT_FILE).read_text()
+    assert out.strip() == f"{job_dir}|{job_dir}|{job_dir}/{CODE_DIR}|pw'd|it's"
+    # The credential is in a file only the trainer reads, not in the script.
+    secret = jobdir.control_dir(job_dir) / jobdir.SECRET_ENV_FILE
+    assert "pw" not in path.read_text() and (secret.stat().st_mode & 0o777) == 0o600
+    assert (path.stat().st_mode & 0o777) == 0o700
+    assert (jobdir.control_dir(job_dir).stat().st_mode & 0o777) == 0o700
+    jobdir.write_entrypoint(job_dir, ["srun", "--ntasks=2", "python", "-m", "x"], user_code=False)
+    text = path.read_text()
     assert "PYTHONPATH" not in text and "MASTER_ADDR" in text and "exec srun --ntasks=2" in text
+    assert not secret.exists()
+
+
+def assert_replaced_not_followed(job_dir, outside):
+    """The trainer's event goes into a fresh events.jsonl, not through what was planted there."""
+    jobdir.append_event(job_dir, "cancelled")
+    events = job_dir / EVENTS_FILE
+    assert not events.is_symlink() and os.stat(events).st_nlink == 1
+    assert [json.loads(line)["kind"] for line in jobdir.read_events(job_dir, 0, 10)[0]] == ["cancelled"]
+    events.unlink()
+
+
+def test_no_file_of_the_job_dir_is_followed_through_a_link(tmp_path):
+    """Links, FIFOs and hard links a job's code planted read as missing and are never written
+    through; the file they point to is unchanged."""
+    job_dir, outside = tmp_path / "job", tmp_path / "marker"
+    job_dir.mkdir()
+    outside.write_text('{"kind": "started", "secret": 1}\n')
+    for name in (EVENTS_FILE, STATUS_FILE):
+        (job_dir / name).symlink_to(outside)
+    assert jobdir.read_status(job_dir) is None
+    assert jobdir.read_events(job_dir, 0, 10) == ([], 0) and jobdir.events_end(job_dir) == (0, 0)
+    assert jobdir.find_event(job_dir, 0, "started") is None
+    assert_replaced_not_followed(job_dir, outside)
+    (job_dir / STATUS_FILE).unlink()
+    (job_dir / STATUS_FILE).symlink_to(outside)
+    jobdir.mark_requeued(job_dir)  # reads nothing through the link, so writes nothing either
+    os.mkfifo(job_dir / EVENTS_FILE)
+    assert jobdir.read_events(job_dir, 0, 10) == ([], 0)  # does not block either
+    assert_replaced_not_followed(job_dir, outside)
+    os.link(outside, job_dir / EVENTS_FILE)  # a hard link (fs.protected_hardlinks=0 allows others')
+    assert jobdir.read_events(job_dir, 0, 10) == ([], 0)
+    assert_replaced_not_followed(job_dir, outside)
+    assert outside.read_text() == '{"kind": "started", "secret": 1}\n'
+    # A log "of the job" planted in the job's own folder is not a log at all.
+    (job_dir / jobdir.log_name("slurm", "1")).symlink_to(outside)
+    control = jobdir.make_control_dir(job_dir)
+    (control / jobdir.log_name("slurm", "2")).symlink_to(outside)
+    assert list(jobdir.log_lines(job_dir, 0, 10)) == [] and jobdir.log_tail(job_dir) == ""
+
+
+def test_the_atomic_writer_replaces_a_planted_link_and_never_writes_through_it(tmp_path):
+    from loopline.common.atomic_files import write_atomic
+
+    outside = tmp_path / "marker"
+    outside.write_text("keep")
+    (tmp_path / "entrypoint.sh").symlink_to(outside)
+    write_atomic(tmp_path / "entrypoint.sh", "new", mode=0o700)
+    assert outside.read_text() == "keep" and (outside.stat().st_mode & 0o777) != 0o700
+    assert not (tmp_path / "entrypoint.sh").is_symlink()
+    assert (tmp_path / "entrypoint.sh").read_text() == "new"
+    assert ((tmp_path / "entrypoint.sh").stat().st_mode & 0o777) == 0o700
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entrypoint.sh", "marker"]
 
 
 def test_status_is_marked_queued_before_a_restart(tmp_path):

@@ -44,8 +44,9 @@ def test_auto_takes_slurm_only_where_a_controller_answers(slurm, monkeypatch, tm
 def job_dir(tmp_path: Path, script: str) -> Path:
     d = tmp_path / "job"
     d.mkdir(parents=True)
-    (d / ENTRYPOINT_FILE).write_text(f"#!/usr/bin/env bash\n{script}\n")
-    (d / ENTRYPOINT_FILE).chmod(0o755)
+    entrypoint = jobdir.make_control_dir(d) / ENTRYPOINT_FILE  # where the launchers look
+    entrypoint.write_text(f"#!/usr/bin/env bash\n{script}\n")
+    entrypoint.chmod(0o700)
     return d
 
 
@@ -77,7 +78,7 @@ def test_slurm_runs_finds_and_cancels_jobs(slurm_launcher, tmp_path):
     assert slurm_launcher.cluster_info() == (0, 1)
     # RUNNING comes before the script starts: with --export naming variables, slurmd first loads
     # the account's login environment (`su - user -c env`, ~2 s here).
-    log = d / jobdir.log_name("slurm", run_id)
+    log = jobdir.log_path(d, "slurm", run_id)
     deadline = time.monotonic() + 30
     while not (log.exists() and "hello" in log.read_text()):
         assert time.monotonic() < deadline, "the job never started"
@@ -110,7 +111,7 @@ def test_local_runs_survive_their_launcher(tmp_path):
     second = LocalLauncher(runs)
     assert second.find("hash-one") == run_id and second.state(run_id) is LaunchState.RUNNING
     assert run_id in second.queue_text()
-    log = d / jobdir.log_name("local", run_id)
+    log = jobdir.log_path(d, "local", run_id)
     while "started" not in log.read_text():  # its TERM trap is set
         time.sleep(0.05)
     second.cancel(run_id)

@@ -24,6 +24,7 @@ from loopline.common.contracts.job_layout import (
 from loopline.common.contracts.job_schemas import ClusterInfo, JobList, JobSubmit, LogLines, SqueueReply
 from loopline.common.local import launcher as processes
 from loopline.common.runtime.service_client import ServiceError
+from loopline.trainer.jobdir import control_dir
 from support.trainer import DATASET
 from support.trainer_process import local_launcher
 
@@ -267,7 +268,7 @@ async def test_user_code_is_refused_unless_allowed_and_unsafe_archives_always(st
     assert info.code_origin == "shipped"
     job_dir = jobs_dir / info.job_hash
     assert (job_dir / "ml" / "loopline_user" / "__init__.py").read_bytes() == b"VALUE = 42\n"
-    assert f"export PYTHONPATH={job_dir}/ml" in (job_dir / ENTRYPOINT_FILE).read_text()
+    assert f"export PYTHONPATH={job_dir}/ml" in (control_dir(job_dir) / ENTRYPOINT_FILE).read_text()
     done = await client.wait_status(info.job_hash, "COMPLETED")
     assert done.code_sha256 == info.code_sha256
 
@@ -289,7 +290,7 @@ async def test_tensor_parallel_runs_one_task_per_rank_under_srun(slurm, start_tr
     await start_trainer("slurm")
     info = await client.submit({"max_steps": 3, "tensor_parallel": 2})
     job_dir = jobs_dir / info.job_hash
-    assert "exec srun --ntasks=2 --kill-on-bad-exit=1" in (job_dir / ENTRYPOINT_FILE).read_text()
+    assert "exec srun --ntasks=2 --kill-on-bad-exit=1" in (control_dir(job_dir) / ENTRYPOINT_FILE).read_text()
     await client.wait_status(info.job_hash, "COMPLETED")
     runs = sorted((job_dir / "runs.txt").read_text().splitlines())
     assert runs == ["start 0 rank 0/2", "start 0 rank 1/2"]

@@ -21,7 +21,7 @@ import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 # Created with these permissions, less the umask: what open() and Path.write_text give a new file
@@ -31,19 +31,37 @@ PUBLIC_MODE = 0o666
 PRIVATE_MODE = 0o600
 
 
-def write_atomic(path: str | Path, data: str | bytes, *, private: bool = False) -> None:
+def write_atomic(path: str | Path, data: str | bytes, *, private: bool = False, mode: int | None = None,
+                 owner: tuple[int, int] | None = None) -> None:
     """Replace ``path`` with ``data`` (text is written as UTF-8). ``private``: readable and
-    writable by its owner only."""
+    writable by its owner only; ``mode``: exactly these permissions (umask aside); ``owner``:
+    (uid, gid) to give the file (root only).
+
+    Safe in a folder someone else can write (a job's own, written by a root trainer): the
+    temporary file is created exclusively, under a name nobody can guess, relative to the folder
+    opened once, never through a link; its permissions and owner are set on the open file, and
+    the rename replaces whatever entry ``path`` names (a planted link included) without following
+    it."""
     path = Path(path)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_MODE if private else PUBLIC_MODE)
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    temp = f".{path.name}.{secrets.token_hex(8)}.tmp"
     try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data.encode() if isinstance(data, str) else data)
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     PRIVATE_MODE if private or mode is not None else PUBLIC_MODE, dir_fd=folder)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                if mode is not None:
+                    os.fchmod(out.fileno(), mode)
+                if owner is not None:
+                    os.fchown(out.fileno(), *owner)
+                out.write(data.encode() if isinstance(data, str) else data)
+            os.replace(temp, path.name, src_dir_fd=folder, dst_dir_fd=folder)
+        except BaseException:
+            with suppress(OSError):
+                os.unlink(temp, dir_fd=folder)
+            raise
+    finally:
+        os.close(folder)
 
 
 @contextmanager
@@ -60,7 +78,12 @@ def atomic_dir(final: str | Path, *, temp_prefix: str | None = None,
     try:
         yield temp
         if mode is not None:
-            temp.chmod(mode)
+            # On the opened folder, not its name: a chmod by name follows a link swapped in.
+            fd = os.open(temp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.fchmod(fd, mode)
+            finally:
+                os.close(fd)
         replace_dir(temp, final)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)

@@ -49,9 +49,9 @@ class JobControl:
         self.js = js
         self.publisher = publisher
         self.jobs_dir = Path(settings.jobs_dir).resolve()
-        # Whom a job's own ml/ code runs as (nobody, where the trainer is root); a bad name ends
+        # Whom a job's own ml/ code runs as (a uid per job, where the trainer is root); a bad name ends
         # the trainer at start, not a job later.
-        self.job_user = job_env.job_user(settings.job_user)
+        self.job_user = job_env.job_user(settings.job_user, uid_range=settings.job_uid_range)
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     def lock(self, job_hash: str) -> asyncio.Lock:
@@ -171,13 +171,13 @@ class JobControl:
         the job keeps no run id and its error says why; the reconcile loop tries again."""
         launcher = self.launcher
         program = self.train_argv(job)
-        # Its own code unpacked (user code, allowed at submit): it runs as the job user, each rank
-        # dropping privileges itself, in a directory that user owns.
+        # Its own code unpacked (user code, allowed at submit): it runs as the job user (a uid of
+        # its own), each rank dropping privileges itself, in a directory that user owns.
         user_code = (job.job_dir / CODE_DIR).is_dir()
         run_as = self.job_user if user_code else None
         if run_as is not None:
+            run_as = await asyncio.to_thread(jobdir.give_to, job.job_dir, run_as)
             program = [*run_as.argv(), *program]
-            await asyncio.to_thread(jobdir.give_to, job.job_dir, run_as)
         argv = launcher.rank_command(job.ranks, program)
         await asyncio.to_thread(jobdir.write_entrypoint, job.job_dir, argv, user_code=user_code,
                                 run_as=run_as)

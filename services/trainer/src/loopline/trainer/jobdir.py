@@ -1,19 +1,28 @@
 """The job directory: what the trainer writes for a job to run, and reads back while it runs.
 
-The layout and its names are loopline.common.contracts.job_layout's; the trainer adds one log per allocation,
-``slurm-<id>.out`` or ``local-<id>.out`` (written by the launcher). A new job's directory is staged
+The layout and its names are loopline.common.contracts.job_layout's. A new job's directory is staged
 under a temporary name and renamed into place, so a directory under its hash is always complete.
+
+A job's own code owns its directory (``give_to``), so the trainer, which may be root, treats every
+name in it as hostile: it opens them without following links (``nofollow``), and keeps what the job
+must not touch in the job's control directory beside it, ``<jobs_dir>/.control/<hash>/`` (the
+trainer's alone, 0700): the entrypoint the launcher runs as root, the worker's credential, and one
+log per allocation, ``slurm-<id>.out`` or ``local-<id>.out`` (written by the launcher, or by Slurm as
+root: in the job's directory a planted link would aim those writes anywhere).
 Nothing here talks to NATS or SQL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
 import shutil
+import stat
 import tarfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,10 +40,19 @@ from loopline.common.contracts.job_layout import (
     checkpoint_step,
 )
 from loopline.common.contracts.train_params import JobConfig
+from loopline.trainer import nofollow
 from loopline.trainer.errors import InvalidRequest
 
 MAX_CODE_MEMBERS = 10_000
 _LOG_NAME = re.compile(r"^(slurm|local)-(.+)\.out$")
+CONTROL_DIR = ".control"
+# Sourced by the entrypoint, so a credential (the session worker's NATS password) is in no script.
+SECRET_ENV_FILE = "secret.env"
+# A job's directory: its user's, the trainer's group may read (checkpoints, status), nobody else.
+# Set-group-id, so what the job creates is the trainer's group's too.
+JOB_DIR_MODE = 0o2750
+# One job given its uid at a time: two must not pick the same free one.
+_GIVING = threading.Lock()
 
 
 def log_name(launcher: str, run_id: str) -> str:
@@ -44,9 +62,24 @@ def log_name(launcher: str, run_id: str) -> str:
 
 # --- writing a new job -----------------------------------------------------------------------------
 def staging_dir(jobs_dir: Path, job_hash: str) -> Path:
+    jobs_dir.mkdir(parents=True, exist_ok=True)
     path = jobs_dir / f".staging-{job_hash}-{uuid.uuid4().hex[:8]}"
-    path.mkdir(parents=True)
+    path.mkdir(mode=0o700)
+    # No other job's user may enter it: its dataset is this job's alone.
+    path.chmod(0o750)
     return path
+
+
+def control_dir(job_dir: Path) -> Path:
+    """The trainer's own folder for a job (entrypoint, logs, secrets), beside the job's."""
+    return job_dir.parent / CONTROL_DIR / job_dir.name
+
+
+def make_control_dir(job_dir: Path) -> Path:
+    folder = control_dir(job_dir)
+    folder.parent.mkdir(mode=0o700, exist_ok=True)
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder
 
 
 def clean_staging(jobs_dir: Path) -> None:
@@ -65,13 +98,21 @@ def write_config(job_dir: Path, config: JobConfig) -> None:
     config.write(job_dir)
 
 
+def _exports(env: dict[str, str]) -> list[str]:
+    return [f"export {name}={shlex.quote(value)}" for name, value in sorted(env.items())]
+
+
 def write_entrypoint(job_dir: Path, argv: list[str], *, user_code: bool,
-                     env: dict[str, str] | None = None, run_as: JobUser | None = None) -> None:
-    """The script the launcher runs; ``argv`` is the full training command (srun included), run
-    with ``env`` exported (the trainer's choice, e.g. a session worker's own NATS credential, on top
-    of the launcher's allowlist of the trainer's environment). ``run_as``:
-    the program in ``argv`` already drops to that user, whose HOME becomes the job directory (its
-    own, e.g. /nonexistent, would fail every cache a library writes)."""
+                     env: dict[str, str] | None = None, secret_env: dict[str, str] | None = None,
+                     run_as: JobUser | None = None) -> Path:
+    """The script the launcher runs, in the job's control directory (the job's code cannot replace
+    it: the launcher runs it as the trainer's user); returns its path. ``argv`` is the full training
+    command (srun included), run with ``env`` exported on top of the launcher's allowlist of the
+    trainer's environment, and ``secret_env`` (a session worker's own NATS credential) read from a
+    0600 file beside the script, so the script itself holds none. ``run_as``: the program in
+    ``argv`` already drops to that user, whose HOME becomes the job directory (its own, e.g.
+    /nonexistent, would fail every cache a library writes)."""
+    control = make_control_dir(job_dir)
     lines = [
         "#!/usr/bin/env bash",
         "# Written by the Loopline trainer; run by sbatch or the local launcher.",
@@ -79,7 +120,13 @@ def write_entrypoint(job_dir: Path, argv: list[str], *, user_code: bool,
         f"cd {shlex.quote(str(job_dir))}",
         f"export LOOPLINE_JOB_DIR={shlex.quote(str(job_dir))}",
     ]
-    lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted((env or {}).items())]
+    lines += _exports(env or {})
+    secrets_file = control / SECRET_ENV_FILE
+    if secret_env:
+        write_atomic(secrets_file, "\n".join(_exports(secret_env)) + "\n", mode=0o600)
+        lines.append(f". {shlex.quote(str(secrets_file))}")
+    else:
+        secrets_file.unlink(missing_ok=True)
     if run_as is not None:
         lines.append(f"export HOME={shlex.quote(str(job_dir))} USER={run_as.name} LOGNAME={run_as.name}")
     if user_code:
@@ -92,19 +139,62 @@ def write_entrypoint(job_dir: Path, argv: list[str], *, user_code: bool,
         lines.append('export MASTER_PORT="$((20000 + SLURM_JOB_ID % 20000))"')
     # exec: the program is the batch shell, so Slurm's B:TERM reaches it directly.
     lines.append("exec " + " ".join(shlex.quote(a) for a in argv))
-    path = job_dir / ENTRYPOINT_FILE
-    write_atomic(path, "\n".join(lines) + "\n")
-    path.chmod(0o755)
+    path = control / ENTRYPOINT_FILE
+    # Made whole under a fresh name and renamed into place: never written or chmod-ed by name.
+    write_atomic(path, "\n".join(lines) + "\n", mode=0o700)
+    return path
 
 
-def give_to(job_dir: Path, user: JobUser) -> None:
-    """Make the job directory the job user's, so its program can write status, events and
-    checkpoints there; the trainer (root) reads and appends to it still."""
-    os.chown(job_dir, user.uid, user.gid)
-    # Invariant: every entry above ``root`` in the walk is already the user's.
-    for root, dirs, files in os.walk(job_dir):
+def give_to(job_dir: Path, user: JobUser) -> JobUser:
+    """Make the job directory the job user's (for a range of users, a uid no other job has, kept
+    from an earlier run), so its program can write status, events and checkpoints there, and no
+    other job's user can enter it; the trainer's group reads it. Returns the user the job runs as.
+    The walk is by open folders, never by path, and touches no link's target: it may run on a
+    folder the job's code has had its hands on."""
+    with _GIVING:
+        owner = os.lstat(job_dir).st_uid
+        if user.per_job:
+            in_range = user.uid <= owner < user.uid + user.count
+            user = user.for_uid(owner if in_range else _free_uid(job_dir, user))
+        if owner != user.uid:
+            _give_tree(job_dir, user.uid, os.getegid())
+    return user
+
+
+def _free_uid(job_dir: Path, user: JobUser) -> int:
+    """A uid of the range owning no other job's directory, from a start the job's name picks."""
+    taken = set()
+    with os.scandir(job_dir.parent) as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                taken.add(entry.stat(follow_symlinks=False).st_uid)
+    start = int.from_bytes(job_dir.name.encode()[-8:].ljust(8, b"\0"), "big") % user.count
+    for i in range(user.count):
+        uid = user.uid + (start + i) % user.count
+        if uid not in taken:
+            return uid
+    raise InvalidRequest(f"every uid of LOOPLINE_JOB_UID_RANGE owns a job directory already "
+                         f"({user.count} of them); delete finished jobs")
+
+
+def _give_tree(job_dir: Path, uid: int, gid: int) -> None:
+    for _root, dirs, files, dir_fd in os.fwalk(job_dir, follow_symlinks=False):
+        os.fchown(dir_fd, uid, gid)
+        os.fchmod(dir_fd, JOB_DIR_MODE)
         for name in (*dirs, *files):
-            os.chown(os.path.join(root, name), user.uid, user.gid, follow_symlinks=False)
+            info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISDIR(info.st_mode):
+                continue  # its own turn in the walk
+            if not stat.S_ISREG(info.st_mode):
+                os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)  # the link, not its target
+                continue
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+            try:
+                os.fchown(fd, uid, gid)
+                owner_bits = (info.st_mode & 0o700) | 0o600
+                os.fchmod(fd, owner_bits | ((owner_bits >> 3) & 0o050))  # group: read (and run)
+            finally:
+                os.close(fd)
 
 
 def extract_code(tar_path: Path, job_dir: Path, max_bytes: int) -> None:
@@ -144,9 +234,10 @@ def _check_code_member(member: tarfile.TarInfo) -> None:
 
 # --- reading what the program writes ---------------------------------------------------------------
 def read_status(job_dir: Path) -> dict[str, Any] | None:
+    raw = nofollow.read_file(job_dir / STATUS_FILE)
     try:
-        status = json.loads((job_dir / STATUS_FILE).read_text())
-    except (OSError, ValueError):
+        status = json.loads(raw) if raw is not None else None
+    except ValueError:
         return None
     return status if isinstance(status, dict) else None
 
@@ -158,7 +249,8 @@ def mark_requeued(job_dir: Path) -> None:
     if status is None:
         return
     status.update(status="QUEUED", error=None, updated_at=time.time())
-    write_atomic(job_dir / STATUS_FILE, json.dumps(status, indent=1) + "\n")
+    path = job_dir / STATUS_FILE
+    write_atomic(path, json.dumps(status, indent=1) + "\n", owner=nofollow.owner_of(path))
 
 
 def read_events(job_dir: Path, offset: int, max_lines: int,
@@ -166,7 +258,7 @@ def read_events(job_dir: Path, offset: int, max_lines: int,
     """Complete lines of events.jsonl from byte ``offset`` (a line still being written is left for
     next time), none ending past ``until``; and the offset just after the last one returned."""
     try:
-        with open(job_dir / EVENTS_FILE, "rb") as f:
+        with nofollow.open_read(job_dir / EVENTS_FILE) as f:
             f.seek(offset)
             lines: list[bytes] = []
             while len(lines) < max_lines:
@@ -183,7 +275,7 @@ def read_events(job_dir: Path, offset: int, max_lines: int,
 def find_event(job_dir: Path, offset: int, kind: str) -> int | None:
     """The offset just after the first complete line of this kind from ``offset``, if any."""
     try:
-        with open(job_dir / EVENTS_FILE, "rb") as f:
+        with nofollow.open_read(job_dir / EVENTS_FILE) as f:
             f.seek(offset)
             for line in f:
                 if not line.endswith(b"\n"):
@@ -203,7 +295,7 @@ def events_end(job_dir: Path) -> tuple[int, int]:
     """(complete lines, byte offset after them) of the whole events.jsonl."""
     count = offset = 0
     try:
-        with open(job_dir / EVENTS_FILE, "rb") as f:
+        with nofollow.open_read(job_dir / EVENTS_FILE) as f:
             for line in f:
                 if not line.endswith(b"\n"):
                     break
@@ -219,12 +311,9 @@ def append_event(job_dir: Path, kind: str, **fields: Any) -> int:
     the offset just after it. One write() with O_APPEND: it cannot interleave with a line the program
     appends at the same time."""
     line = (json.dumps({"kind": kind, "time": time.time(), **fields}) + "\n").encode()
-    fd = os.open(job_dir / EVENTS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-        return os.lseek(fd, 0, os.SEEK_CUR)  # O_APPEND wrote at the end: this is our line's end
-    finally:
-        os.close(fd)
+    path = job_dir / EVENTS_FILE
+    # Never through a link the job planted; created (rarely: the job removed it) as the job's.
+    return nofollow.append(path, line, owner=nofollow.owner_of(path))
 
 
 def checkpoints(job_dir: Path) -> list[tuple[int, str, float]]:
@@ -232,44 +321,60 @@ def checkpoints(job_dir: Path) -> list[tuple[int, str, float]]:
     The program renames a checkpoint into place when complete, so a matching name is complete."""
     found = []
     try:
-        entries = list((job_dir / CHECKPOINTS_DIR).iterdir())
+        with os.scandir(job_dir / CHECKPOINTS_DIR) as it:
+            entries = list(it)
     except OSError:
         return []
     for entry in entries:
         step = checkpoint_step(entry.name)
-        if step is not None and entry.is_dir():
-            found.append((step, f"{CHECKPOINTS_DIR}/{entry.name}", entry.stat().st_mtime))
+        if step is not None and entry.is_dir(follow_symlinks=False):
+            mtime = entry.stat(follow_symlinks=False).st_mtime
+            found.append((step, f"{CHECKPOINTS_DIR}/{entry.name}", mtime))
     return sorted(found)
 
 
 # --- logs ------------------------------------------------------------------------------------------
+def log_path(job_dir: Path, launcher: str, run_id: str) -> Path:
+    """Where a run's output goes: the job's control directory, which its code cannot write."""
+    return control_dir(job_dir) / log_name(launcher, run_id)
+
+
 def log_files(job_dir: Path) -> list[Path]:
     """One log per allocation, in the order they ran (Slurm ids and local run ids both increase)."""
     logs = []
     try:
-        entries = list(job_dir.iterdir())
+        with os.scandir(control_dir(job_dir)) as it:
+            entries = list(it)
     except OSError:
         return []
     for entry in entries:
         match = _LOG_NAME.match(entry.name)
-        if match:
+        if match and entry.is_file(follow_symlinks=False):
             run = match.group(2)
-            logs.append(((int(run) if run.isdigit() else 0, run, entry.stat().st_mtime), entry))
+            mtime = entry.stat(follow_symlinks=False).st_mtime
+            logs.append(((int(run) if run.isdigit() else 0, run, mtime), Path(entry.path)))
     return [path for _, path in sorted(logs, key=lambda item: (item[0][2], item[0][0], item[0][1]))]
+
+
+def _raw_lines(path: Path) -> Iterator[bytes]:
+    try:
+        with nofollow.open_read(path) as f:
+            yield from f
+    except OSError:
+        return
 
 
 def log_lines(job_dir: Path, start: int, limit: int) -> Iterator[tuple[int, str]]:
     """(line number, text) of the stitched logs from line ``start``, at most ``limit`` lines."""
     number = 0
     for path in log_files(job_dir):
-        with open(path, "rb") as f:
-            for raw in f:
-                if number >= start:
-                    if limit <= 0:
-                        return
-                    limit -= 1
-                    yield number, raw.decode("utf-8", errors="replace").rstrip("\n")
-                number += 1
+        for raw in _raw_lines(path):
+            if number >= start:
+                if limit <= 0:
+                    return
+                limit -= 1
+                yield number, raw.decode("utf-8", errors="replace").rstrip("\n")
+            number += 1
 
 
 def log_tail(job_dir: Path, max_chars: int = 2000) -> str:
@@ -277,10 +382,15 @@ def log_tail(job_dir: Path, max_chars: int = 2000) -> str:
     logs = log_files(job_dir)
     if not logs:
         return ""
-    with open(logs[-1], "rb") as f:
-        f.seek(max(0, logs[-1].stat().st_size - max_chars))
-        return f.read().decode("utf-8", errors="replace").strip()
+    try:
+        with nofollow.open_read(logs[-1]) as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - max_chars))
+            return f.read().decode("utf-8", errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def remove(job_dir: Path) -> None:
+    # rmtree removes links, never what they point to.
     shutil.rmtree(job_dir, ignore_errors=True)
+    shutil.rmtree(control_dir(job_dir), ignore_errors=True)

@@ -83,10 +83,13 @@ class SessionWorkers:
         worker = TinkerWorker(worker_id=tinker_names.new_id(), base_model=base_model, model_path=model_path,
                               launcher=self.launcher.name)
         folder = tinker_names.worker_dir(self.jobs_dir, worker.worker_id)
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, exist_ok=True)  # the worker's alone: no job's code reads it
         settings = self.settings
-        env = {"LOOPLINE_NATS_URL": settings.tinker_worker_nats_url or settings.nats_url,
-               "LOOPLINE_STATE_DIR": str(settings.state_dir.resolve()),
+        # Its NATS credential: in a 0600 file of the trainer's the entrypoint reads, never in the
+        # script (jobdir.write_entrypoint), and never in a job's environment (job_env denies it).
+        secret = {"LOOPLINE_NATS_URL": settings.tinker_worker_nats_url or settings.nats_url}
+        env = {"LOOPLINE_STATE_DIR": str(settings.state_dir.resolve()),
                "LOOPLINE_JOBS_DIR": str(self.jobs_dir), "LOOPLINE_LOG_LEVEL": settings.log_level,
                "LOOPLINE_TINKER_WORKER_ID": worker.worker_id, "LOOPLINE_TINKER_BASE_MODEL": base_model,
                "LOOPLINE_TINKER_MODEL_PATH": model_path,
@@ -95,7 +98,8 @@ class SessionWorkers:
                "LOOPLINE_METRICS_PORT": "0"}
         program = (shlex.split(settings.tinker_worker_command) if settings.tinker_worker_command
                    else [sys.executable, "-m", "loopline.tinker_worker"])
-        await asyncio.to_thread(jobdir.write_entrypoint, folder, program, user_code=False, env=env)
+        await asyncio.to_thread(jobdir.write_entrypoint, folder, program, user_code=False, env=env,
+                                secret_env=secret)
         spec = LaunchSpec(worker.worker_id, folder, 1, time_limit_s=int(settings.max_train_time_s))
         # The record first: the worker reads it at start, and a crash after the submit leaves a
         # record the reconcile loop can follow.

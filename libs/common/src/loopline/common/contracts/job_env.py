@@ -37,7 +37,9 @@ JOB_LOOPLINE_NAMES = frozenset({"LOOPLINE_JOB_DIR", "LOOPLINE_RUN_ID", "LOOPLINE
 })
 # Never handed to a job, whatever the allowlist or an operator's extension of it says.
 DENIED_NAMES = frozenset({"LOOPLINE_DATABASE_URL", "LOOPLINE_API_KEYS"})
-DENIED_PATTERN = re.compile(r"(_KEYS?$|_TOKEN$|PASSWORD|PASSWD|SECRET|CREDENTIAL)")
+# Anything named like a credential: keys, tokens, passwords, secrets, JWTs (SLURM_JWT, which would
+# let a job act as the trainer's Slurm user), credentials and auth material of any kind.
+DENIED_PATTERN = re.compile(r"(_KEYS?$|_TOKEN$|PASSWORD|PASSWD|SECRET|CREDENTIAL|JWT|AUTH)")
 # user:password@ (or token@) in a URL: nats://user:pw@host:4222, https://tok@collector
 _URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s,]*@")
 
@@ -74,11 +76,27 @@ def job_environment(environ: Mapping[str, str], extra: str | Iterable[str] = ())
 
 
 # --- who the job runs as ---------------------------------------------------------------------------
+# The name a per-job uid goes by in USER/LOGNAME (it has no passwd entry; nothing needs one).
+PER_JOB_NAME = "loopline-job"
+
+
 @dataclass(frozen=True)
 class JobUser:
+    """Whom a job's code runs as. ``count`` > 1: a range of uids, one per job (``uid`` is the
+    first; ``for_uid`` names the one a job got), so one job's code cannot read another's files."""
+
     name: str
     uid: int
     gid: int
+    count: int = 1
+
+    @property
+    def per_job(self) -> bool:
+        return self.count > 1
+
+    def for_uid(self, uid: int) -> JobUser:
+        """This range's user with the given uid (its own group, numbered as the uid)."""
+        return JobUser(f"{PER_JOB_NAME}-{uid}", uid, uid)
 
     def argv(self) -> list[str]:
         """The prefix that runs a program as this user (util-linux's setpriv: no PAM, no login
@@ -86,20 +104,36 @@ class JobUser:
         return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups"]
 
 
-def job_user(setting: str | None, euid: int | None = None) -> JobUser | None:
-    """Whom a job's own ml/ code runs as: ``setting`` when given, else ``nobody`` when the
-    trainer runs as root; None when it runs as the trainer's user (not root, or ``root`` asked)."""
+def parse_uid_range(text: str) -> tuple[int, int]:
+    """``"200000000-200999999"`` as (first uid, count)."""
+    first, sep, last = text.partition("-")
+    try:
+        low, high = int(first), int(last)
+    except ValueError:
+        low = high = -1
+    if not sep or low <= 0 or high < low or high >= 2**32 - 1:
+        raise ValueError(f"LOOPLINE_JOB_UID_RANGE={text!r} is not a range of uids like 200000000-200999999")
+    return low, high - low + 1
+
+
+def job_user(setting: str | None, euid: int | None = None, uid_range: str = "200000000-200999999",
+             ) -> JobUser | None:
+    """Whom a job's own ml/ code runs as: ``setting`` when given (every job as that one user);
+    else, when the trainer runs as root, a uid of its own per job from ``uid_range``; None when it
+    runs as the trainer's user (not root, or ``root`` asked)."""
     euid = os.geteuid() if euid is None else euid
-    name = setting or ("nobody" if euid == 0 else None)
-    if name is None:
+    if setting is None and euid == 0:
+        first, count = parse_uid_range(uid_range)
+        return JobUser(PER_JOB_NAME, first, first, count)
+    if setting is None:
         return None
     try:
-        entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+        entry = pwd.getpwuid(int(setting)) if setting.isdigit() else pwd.getpwnam(setting)
     except (KeyError, ValueError) as exc:
-        raise ValueError(f"LOOPLINE_JOB_USER={name!r} is not a user on this machine") from exc
+        raise ValueError(f"LOOPLINE_JOB_USER={setting!r} is not a user on this machine") from exc
     if entry.pw_uid == euid:
         return None  # already that user: nothing to drop
     if euid != 0:
-        raise ValueError(f"LOOPLINE_JOB_USER={name!r}: only a trainer running as root can run jobs as "
+        raise ValueError(f"LOOPLINE_JOB_USER={setting!r}: only a trainer running as root can run jobs as "
                          "another user")
     return JobUser(entry.pw_name, entry.pw_uid, entry.pw_gid)

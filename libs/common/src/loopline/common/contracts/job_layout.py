@@ -4,13 +4,20 @@
         config.json          train_params.JobConfig                        (trainer; session worker *)
         dataset.jsonlines    the training data, from the datasets store    (trainer)
         ml/                  the job's own code, only when allowed         (trainer)
-        entrypoint.sh        what sbatch (or the local launcher) runs      (trainer)
         status.json          status, step, loss history                    (training program)
         events.jsonl         one event per line, appended                  (both, O_APPEND)
         checkpoints/step-%08d/                                             (training program)
             adapter_config.json, adapter_model.safetensors   (adapter_format)
             training_state.pt                                optimizer, scheduler, data order, RNG
         .run.lock            locked (POSIX) by the run writing the folder  (training program)
+
+    <jobs_dir>/.control/<job_hash>/    the trainer's alone (0700): the job's code cannot write it
+        entrypoint.sh        what sbatch (or the local launcher) runs      (trainer)
+        secret.env           a session worker's credential, 0600           (trainer)
+        slurm-<id>.out, local-<id>.out   one log per allocation           (launcher, Slurm)
+
+A job whose own ``ml/`` code runs owns its folder (a uid of its own, mode 2750, the trainer's
+group): every name in it may be a link the code planted, so the trainer opens none by following one.
 
 * A Tinker sampler save is laid out as a job (tinker_names): the session worker writes its
 config.json and its one checkpoint.

@@ -6,7 +6,8 @@
                   same call gets the same id, and JetStream's dedupe drops its second publish
     tinker paths  ``tinker://<model id>/{weights|sampler_weights}/<name>`` (exactly three parts)
 
-    <jobs_dir>/.tinker/workers/<worker>/        entrypoint.sh, the worker's log      (trainer)
+    <jobs_dir>/.tinker/workers/<worker>/        the worker's folder (0700)           (trainer)
+    <jobs_dir>/.tinker/workers/.control/<worker>/  entrypoint.sh, secret.env, its log (trainer)
     <jobs_dir>/.tinker/runs/<model key>/weights/<name>/   save_state: adapter files,
                   optimizer.pt, lora.json                                      (session worker)
     <jobs_dir>/<sampler hash>/config.json + checkpoints/step-%08d/             (session worker)

@@ -23,7 +23,7 @@ from loopline.common.atomic_files import write_atomic
 from loopline.common.contracts.job_env import job_environment
 from loopline.common.contracts.job_layout import ENTRYPOINT_FILE
 from loopline.common.local.launcher import process_start_time
-from loopline.trainer import jobdir
+from loopline.trainer import jobdir, nofollow
 from loopline.trainer.launchers import LauncherError, LaunchSpec, LaunchState
 
 # After a cancel, the run has this long to checkpoint before its processes are killed (Slurm's
@@ -81,19 +81,21 @@ class LocalLauncher:
         with self._lock:
             run_id = f"L{time.time_ns() // 1000}"
             time.sleep(1e-6)  # the next id differs even on a coarse clock
-        log_path = spec.job_dir / jobdir.log_name(self.name, run_id)
+        # In the job's control directory (never the job's own, where its code could plant a link).
+        log_path = jobdir.log_path(spec.job_dir, self.name, run_id)
+        entrypoint = jobdir.control_dir(spec.job_dir) / ENTRYPOINT_FILE
         # The allowlist of the trainer's environment, never all of it (its secrets stay here).
         env = {**job_environment(os.environ, self.job_env_allow),
                "EXIT_FILE": str(self.runs_dir / f"{run_id}.exit"), "LOOPLINE_RUN_ID": run_id}
         try:
-            with open(log_path, "ab", buffering=0) as log:
+            with nofollow.open_append(log_path) as log:
                 child = subprocess.Popen(
-                    ["bash", "-c", _WRAPPER, "loopline-job", "bash", str(spec.job_dir / ENTRYPOINT_FILE)],
+                    ["bash", "-c", _WRAPPER, "loopline-job", "bash", str(entrypoint)],
                     cwd=spec.job_dir, env=env, stdin=subprocess.DEVNULL, stdout=log,
                     stderr=subprocess.STDOUT, start_new_session=True,
                 )
         except OSError as exc:
-            raise LauncherError(f"could not start {spec.job_dir / ENTRYPOINT_FILE}: {exc}") from exc
+            raise LauncherError(f"could not start {entrypoint}: {exc}") from exc
         start = process_start_time(child.pid) or ""
         record = {"pid": child.pid, "start": start, "job_hash": spec.job_hash,
                   "job_dir": str(spec.job_dir), "log": log_path.name, "submitted_at": time.time()}

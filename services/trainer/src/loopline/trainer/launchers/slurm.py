@@ -111,7 +111,9 @@ class SlurmLauncher:
             f"--job-name={spec.job_hash}",
             f"--chdir={spec.job_dir}",
             # One output file per allocation; the trainer's logs endpoint stitches them in order.
-            f"--output={spec.job_dir / jobdir.log_name(self.name, '%j')}",
+            # Slurm opens it as the submitting user, following links: so in the job's control
+            # directory, which the job's own code cannot write.
+            f"--output={jobdir.log_path(spec.job_dir, self.name, '%j')}",
             "--open-mode=append",
             # B: signal the batch shell only, which is the exec'd program (or srun, which passes
             # it on to the ranks), not every process of the job.
@@ -125,7 +127,7 @@ class SlurmLauncher:
             argv.append(f"--partition={self.partition}")
         if self._cluster_gpus() > 0:
             argv.append("--gpus-per-task=1")
-        argv += [*self.extra_args, str(spec.job_dir / ENTRYPOINT_FILE)]
+        argv += [*self.extra_args, str(jobdir.control_dir(spec.job_dir) / ENTRYPOINT_FILE)]
         out = self._run(*argv, env=env)
         # --parsable prints "id" or "id;cluster".
         run_id = out.stdout.strip().split(";", 1)[0]
