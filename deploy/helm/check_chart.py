@@ -89,6 +89,7 @@ GOOD: dict[str, dict] = {
         ]},
     },
     "metrics off": {"metrics": {"enabled": False}},
+    "open gateway, opted out by name": {"gateway": {"apiKeys": {"allowOpenGateway": True}}},
     "pod monitor, no scrape annotations, another port": {
         "metrics": {"port": 9090, "scrapeAnnotations": False,
                     "podMonitor": {"enabled": True, "interval": "30s",
@@ -114,6 +115,8 @@ BAD: dict[str, dict] = {
         "nats": {"auth": {"passwords": {"queue": "123456789012"}}}},
     "nats password for no role": {"nats": {"auth": {"passwords": {"admin": "abcdefghijkl"}}}},
     "api key with a comma": {"gateway": {"apiKeys": {"keys": ["a,b"]}}},
+    "open gateway beside keys": {"gateway": {"apiKeys": {"allowOpenGateway": True, "keys": ["k1"]}}},
+    "open gateway as a string": {"gateway": {"apiKeys": {"allowOpenGateway": "yes"}}},
     "zero compute cpus": {"slurm": {"compute": {"cpus": 0}}},
     "negative gpus": {"slurm": {"compute": {"gpus": -1}}},
     "bad jobs size": {"jobs": {"size": "lots"}},

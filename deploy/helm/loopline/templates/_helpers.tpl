@@ -93,6 +93,24 @@ cluster (so upgrades keep it), else a new random one.
 {{- include "loopline.keptSecret" (dict "root" . "secret" (include "loopline.postgresSecretName" .) "key" "password" "value" .Values.postgres.password "length" 32) -}}
 {{- end -}}
 
+{{/*
+"true" when the gateway wants API keys: always, unless gateway.apiKeys.allowOpenGateway is set and no
+keys are given; an opt-out beside keys is refused, so it never silently means one or the other.
+*/}}
+{{- define "loopline.gatewayKeyed" -}}
+{{- $keys := .Values.gateway.apiKeys -}}
+{{- if not $keys.allowOpenGateway -}}
+true
+{{- else if or $keys.keys $keys.existingSecret -}}
+{{- fail "gateway.apiKeys.allowOpenGateway is true, but gateway.apiKeys.keys or existingSecret is set too: choose one" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Secret that holds the gateway's API keys: yours, else the chart's. */}}
+{{- define "loopline.apiKeysSecretName" -}}
+{{- .Values.gateway.apiKeys.existingSecret | default (include "loopline.componentName" (dict "root" . "component" "api-keys")) -}}
+{{- end -}}
+
 {{/* The Secret that holds the chart's NATS passwords (a key per role). */}}
 {{- define "loopline.natsSecretName" -}}
 {{- .Values.nats.auth.existingSecret | default (include "loopline.componentName" (dict "root" . "component" "nats")) -}}
