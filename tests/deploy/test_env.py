@@ -42,8 +42,8 @@ SERVICES = {
 # Containers that run no Loopline service: a LOOPLINE_* variable there would be read by nothing.
 OTHERS = {"nats", "postgres", "slurmctld", "slurmd", "slurm-compute", "munge-key"}
 # Set by the deployments ahead of the service that will read them (see docs/deployment.md); each
-# has its own test below, which fails once the service reads it and this entry can go.
-PENDING = {"gateway": {"LOOPLINE_API_KEYS"}}
+# has its own test below, which fails once the service reads it and this entry can go. None now.
+PENDING: dict[str, set[str]] = {}
 SOURCES = sorted(COMPOSE_STACKS) + sorted(CHART_VALUES)
 # What a Secret, a field reference or an unset compose variable stands for when values are checked.
 OPAQUE = "opaque-value"
@@ -182,8 +182,13 @@ def test_services_agree_with_each_other(containers, source):
         assert trainer[var] in compute.mounts, f"the compute node does not mount {var}={trainer[var]}"
 
 
-def test_gateway_reads_api_keys():
-    """The chart can give the gateway API keys from a Secret (gateway.apiKeys): the gateway must read
-    LOOPLINE_API_KEYS, or the keys protect nothing."""
-    if "LOOPLINE_API_KEYS" not in settings_env_names(settings_module.GatewaySettings):
-        pytest.xfail("GatewaySettings has no api_keys field yet: the chart's gateway.apiKeys is inert")
+@pytest.mark.parametrize("source", SOURCES)
+def test_gateway_reads_the_api_keys_it_is_given(containers, source):
+    """The chart gives the gateway API keys from a Secret (LOOPLINE_API_KEYS), compose a keys file
+    (LOOPLINE_API_KEYS_FILE): the gateway's settings must read the variable it is given, or the keys
+    protect nothing, and every deployment gives it one by default."""
+    names = set(settings_env_names(settings_module.GatewaySettings))
+    assert {"LOOPLINE_API_KEYS", "LOOPLINE_API_KEYS_FILE"} <= names, "GatewaySettings reads no API keys"
+    gateway = next(_effective(c) for c in containers[source] if c.name == "gateway")
+    given = {"LOOPLINE_API_KEYS", "LOOPLINE_API_KEYS_FILE"} & set(gateway)
+    assert given, f"{source} gives the gateway no API keys: it would come up open"
