@@ -145,3 +145,23 @@ def test_archive_without_dataset_or_corrupt_is_refused():
         read(make_tar([("data.jsonl", DATASET)]))
     with pytest.raises(archives.BadArchive):
         read(make_tar([(DATASET_FILE, DATASET)], gz=True)[:-30])  # truncated gzip
+
+
+# --- one line's length -----------------------------------------------------------------------------
+@pytest.mark.parametrize("packing", ["tar", "plain", "gzip"])
+def test_a_line_longer_than_the_limit_is_refused_at_the_limit(packing):
+    """A line of exactly the limit (newline aside) is read; one byte more is LineTooLong, raised
+    having read no more than the limit of it (the line is never held whole)."""
+    line = json.dumps({"input": "x" * 200, "output": "y"}).encode()
+    pack = {"tar": lambda d: make_tar([(DATASET_FILE, d)]), "plain": lambda d: d,
+            "gzip": lambda d: gzip.compress(d, mtime=5)}[packing]
+    data = DATASET + line + b"\n" + DATASET
+    with archives.read_training_archive(io.BytesIO(pack(data)), LIMIT, 100, len(line)) as archive:
+        assert archive.examples == 5 and archive.dataset.read() == data
+    # The last line, without a newline, counts the same way.
+    with archives.read_training_archive(io.BytesIO(pack(DATASET + line)), LIMIT, 100, len(line)) as archive:
+        assert archive.examples == 3
+    with pytest.raises(archives.LineTooLong, match="line 3 is longer than") as refused:
+        archives.read_training_archive(io.BytesIO(pack(data)), LIMIT, 100, len(line) - 1)
+    assert refused.value.number == 3 and refused.value.limit == len(line) - 1
+    assert isinstance(refused.value, archives.ArchiveTooLarge)  # a 413 wherever the size is

@@ -17,6 +17,7 @@ from loopline.common.config.settings import GatewaySettings
 from loopline.gateway.core.adapters import AdapterRegistry
 from loopline.gateway.core.admission import Admission
 from loopline.gateway.core.answers import Answers
+from loopline.gateway.core.event_streams import StreamSlots
 from loopline.gateway.core.model_directory import ModelDirectory
 from loopline.gateway.core.results import Results
 from loopline.gateway.core.service_calls import ServiceCalls
@@ -40,6 +41,7 @@ class Gateway:
         self.results = Results(nc, js)  # stored results, waiters, token streams
         self.answers = Answers(nc)  # this gateway's answers.<id>.* subscription
         self.tinker = TinkerPart(nc, js, self.models)  # Tinker sessions, calls, futures
+        self.streams = StreamSlots(settings.max_streams_per_key)  # open event streams per key
         self.js = js
 
     async def start(self) -> None:

@@ -96,6 +96,19 @@ class GatewaySettings(CommonSettings):
     max_prompts_per_request: int = Field(default=1024, description=(
         "More prompts in one `/v1/generate` get 413 (use `/v1/generate/upload`)."))
     default_max_tokens: int = Field(default=16, description="`max_tokens` of a request that names none.")
+    # Tinker's quick start asks for 8; RL recipes for up to 64 or so. Each sample is a sequence the
+    # gateway holds (and vLLM generates): the count is a memory bound, not a style rule.
+    max_samples_per_request: int = Field(default=128, ge=1, description=(
+        "More samples of one prompt (Tinker `num_samples`, OpenAI `n` and `best_of`) get 400."))
+    # ScalarLM's client polls the ids of one /v1/generate call (at most max_prompts_per_request);
+    # every id is waited on for the whole long poll.
+    max_ids_per_poll: int = Field(default=1024, ge=1, description=(
+        "More `request_ids` in one `/v1/generate/get_results` get 413."))
+    max_list_limit: int = Field(default=1000, ge=1, description=(
+        "The largest `limit` of a list route (Tinker's training runs and sessions); more gets 400."))
+    max_streams_per_key: int = Field(default=16, ge=1, description=(
+        "How many event streams (SSE: training events, logs) one API key, or one client address "
+        "without keys, may hold open at once; one more gets 429."))
     retry_after_s: int = Field(default=2, description="The `Retry-After` of a 429.")
     # Longer than a replica's restart (vLLM loads the tiny model in ~20 s on 2 cores), so a replica
     # being replaced does not turn its requests away; a deployment gone for good is known in a minute.
@@ -109,6 +122,14 @@ class GatewaySettings(CommonSettings):
     # ScalarLM's client sends 50 MiB chunks.
     max_chunk_bytes: int = Field(default=100 * MiB, description=(
         "The largest chunk of ScalarLM's chunked training upload."))
+    # Each chunk costs an object-store lookup at every init and finalize: chunk_size=1 for 1 GiB
+    # would be a billion of them. ScalarLM's 50 MiB chunks make 21 for the 1 GiB default.
+    max_upload_chunks: int = Field(default=1024, ge=1, description=(
+        "A chunked upload may declare this many chunks, no more (413 at init)."))
+    # A line is parsed whole (json.loads); 40 MB of it costs three times that at the peak.
+    max_dataset_line_bytes: int = Field(default=4 * MiB, ge=1, description=(
+        "One line of a training dataset may be this long, no more: refused (413) while the upload "
+        "is read, before the line is held in memory."))
     upload_ttl_s: float = Field(default=6 * 3600, description=(
         "An unfinished chunked upload is deleted after this long."))
     # The tinker SDK gives up on one poll after 45 s and then backs off; it re-polls at once after

@@ -18,7 +18,7 @@ import json
 import tarfile
 import tempfile
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
@@ -49,6 +49,14 @@ class ArchiveTooLarge(ArchiveError):
     """More uncompressed bytes or members than allowed (a tar bomb, or simply too much data)."""
 
 
+class LineTooLong(ArchiveTooLarge):
+    """A dataset line longer than allowed, found before the line is held whole."""
+
+    def __init__(self, number: int, limit: int):
+        super().__init__(f"{DATASET_FILE} line {number} is longer than {limit} bytes")
+        self.number, self.limit = number, limit
+
+
 class InvalidDataset(ArchiveError):
     """dataset.jsonlines is missing, empty, or has a line that is not a training example."""
 
@@ -73,13 +81,15 @@ class TrainingArchive:
         self.close()
 
 
-def read_training_archive(source: str | Path | IO[bytes], max_bytes: int,
-                          max_members: int) -> TrainingArchive:
+def read_training_archive(source: str | Path | IO[bytes], max_bytes: int, max_members: int,
+                          max_line_bytes: int | None = None) -> TrainingArchive:
     """Read a tar, tar.gz or plain (optionally gzipped) jsonlines upload; ``source`` is a path or a
-    seekable binary file. ``max_bytes`` caps the uncompressed content, ``max_members`` the entries."""
+    seekable binary file. ``max_bytes`` caps the uncompressed content, ``max_members`` the entries,
+    ``max_line_bytes`` one dataset line (without its newline; None: only ``max_bytes``)."""
     if isinstance(source, (str, Path)):
         with open(source, "rb") as f:
-            return read_training_archive(f, max_bytes, max_members)
+            return read_training_archive(f, max_bytes, max_members, max_line_bytes)
+    line_limit = max_bytes if max_line_bytes is None else max_line_bytes
     source.seek(0)
     try:
         stream = _decompressed(source)
@@ -88,9 +98,9 @@ def read_training_archive(source: str | Path | IO[bytes], max_bytes: int,
         if is_tar:
             # Headers and padding come on top of the content; the cap still bounds what we inflate.
             capped = _Capped(stream, max_bytes + _TAR_BLOCK * (3 * max_members + 4), "the archive")
-            return _read_tar(capped, max_bytes, max_members)
+            return _read_tar(capped, max_bytes, max_members, line_limit)
         capped = _Capped(stream, max_bytes, DATASET_FILE)
-        dataset, sha, size, examples = _copy_dataset(io.BufferedReader(capped))
+        dataset, sha, size, examples = _copy_dataset(_lines(io.BufferedReader(capped), line_limit))
         return TrainingArchive(dataset, sha, size, examples)
     except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
         raise BadArchive(f"the upload is not a readable tar, tar.gz or jsonlines file: {exc}") from exc
@@ -125,7 +135,7 @@ class _Capped(io.RawIOBase):
         return len(data)
 
 
-def _read_tar(capped: _Capped, max_bytes: int, max_members: int) -> TrainingArchive:
+def _read_tar(capped: _Capped, max_bytes: int, max_members: int, max_line_bytes: int) -> TrainingArchive:
     dataset: TrainingArchive | None = None
     code_files: dict[str, tuple[bytes, bool]] = {}
     members = total = code_bytes = 0
@@ -145,7 +155,8 @@ def _read_tar(capped: _Capped, max_bytes: int, max_members: int) -> TrainingArch
                 if name == DATASET_FILE:
                     if dataset is not None:
                         raise InvalidDataset(f"the archive holds {DATASET_FILE} twice")
-                    dataset = TrainingArchive(*_copy_dataset(_regular_file(tar, member)))
+                    lines = _lines(_regular_file(tar, member), max_line_bytes)
+                    dataset = TrainingArchive(*_copy_dataset(lines))
                 elif name.startswith(CODE_DIR + "/"):
                     if name in code_files:
                         raise UnsafeArchive(f"the archive holds {name} twice")
@@ -190,6 +201,17 @@ def _regular_file(tar: tarfile.TarFile, member: tarfile.TarInfo) -> IO[bytes]:
     if contents is None:  # only for what is not a regular file, which _safe_name refused already
         raise UnsafeArchive(f"{member.name!r} is not a regular file")
     return contents
+
+
+def _lines(f: IO[bytes], max_line_bytes: int) -> Iterator[bytes]:
+    """``f``'s lines, each read only up to the limit: iterating a file would read a line whole, however
+    long (a 39 KB gzip inflates to one 40 MB line), before anything could refuse it."""
+    number = 0
+    while line := f.readline(max_line_bytes + 1):
+        number += 1
+        if len(line) > max_line_bytes and not (len(line) == max_line_bytes + 1 and line.endswith(b"\n")):
+            raise LineTooLong(number, max_line_bytes)
+        yield line
 
 
 def _copy_dataset(lines: Iterable[bytes]) -> tuple[IO[bytes], str, int, int]:

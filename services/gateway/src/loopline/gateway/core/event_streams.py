@@ -1,19 +1,30 @@
 """Server-sent events from the EVENTS stream, for every route that follows events there: a training
 job's (scalarlm/train_streams_api.py) and the Tinker session workers' (tinker/events_api.py).
 
+Each open stream holds a NATS consumer and a task for as long as its client stays: one key (or,
+without keys, one client address) may hold ``LOOPLINE_MAX_STREAMS_PER_KEY`` of them at once
+(``StreamSlots``, taken by the routes marked ``@held_stream``); one more is refused with 429.
+
 One SSE message per stored event, ``id`` its stream sequence (a client that lost its connection
 asks again from there), ``event`` its kind, ``data`` the event's JSON without its empty fields.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from fastapi import Request
+from fastapi.responses import StreamingResponse
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
+
+from loopline.gateway.auth.api_keys import api_key_of
+from loopline.gateway.core.limits import over_limit
 
 log = logging.getLogger(__name__)
 
@@ -77,3 +88,82 @@ async def sse(sub: JetStreamContext.PushSubscription, parse: Callable[[bytes], E
                 return
     finally:
         await sub.unsubscribe()
+
+
+class StreamSlots:
+    """How many streams each holder (an API key, or a client address without keys) has open."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.open: dict[str, int] = {}
+
+    @staticmethod
+    def holder(request: Request) -> str:
+        key = api_key_of(request)
+        if key is not None:
+            return f"key {key.name!r}"
+        return f"client {request.client.host if request.client else 'unknown'}"
+
+    def take(self, request: Request) -> Callable[[], None]:
+        """One slot of the request's holder, or a 429; returns what gives it back (once, however
+        often it is called)."""
+        holder = self.holder(request)
+        held = self.open.get(holder, 0)
+        if held >= self.limit:
+            raise over_limit(429, f"{holder} holds {held} open event streams; close one first", self.limit,
+                             "max_streams_per_key")
+        self.open[holder] = held + 1
+        given_back = False
+
+        def give_back() -> None:
+            nonlocal given_back
+            if not given_back:
+                given_back = True
+                left = self.open[holder] - 1
+                if left:
+                    self.open[holder] = left
+                else:
+                    del self.open[holder]
+
+        return give_back
+
+
+class _HeldStream(StreamingResponse):
+    """A stream that gives its slot back when it ends, however it ends (finished, the client gone,
+    cancelled before its first event: a generator's own ``finally`` would not run then)."""
+
+    def __init__(self, response: StreamingResponse, give_back: Callable[[], None]):
+        super().__init__(response.body_iterator, status_code=response.status_code,
+                         media_type=response.media_type)
+        self.raw_headers = response.raw_headers
+        self.give_back = give_back
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.give_back()
+
+
+Route = TypeVar("Route", bound=Callable[..., Awaitable[Any]])
+
+
+def held_stream(route: Route) -> Route:
+    """Mark a streaming route (one with a ``request`` parameter): each call takes a slot of its
+    caller's before any work (a 429 when none is free), held until the stream ends."""
+
+    @functools.wraps(route)
+    async def taking_a_slot(*args: Any, **kwargs: Any) -> Any:
+        request: Request = kwargs["request"]
+        give_back = request.app.state.gateway.streams.take(request)
+        try:
+            response = await route(*args, **kwargs)
+        except BaseException:
+            give_back()
+            raise
+        if not isinstance(response, StreamingResponse):
+            give_back()
+            return response
+        return _HeldStream(response, give_back)
+
+    return taking_a_slot  # type: ignore[return-value]

@@ -39,7 +39,8 @@ DETAIL_ERROR = {"$ref": "#/components/schemas/GatewayError"}
 # that are not here (501 where vLLM documents it) come from its document.
 STATUSES: dict[int, str] = {
     200: "vLLM's answer (JSON, or `text/event-stream` when `stream` is true)",
-    400: "vLLM refused the request (its validation), or the body is not a JSON object",
+    400: "vLLM refused the request (its validation), or the body is not a JSON object, or it asks "
+         "for more samples (`n`, `best_of`) than `LOOPLINE_MAX_SAMPLES_PER_REQUEST`",
     404: "no such model, job or adapter, or a route the deployment's vLLM does not serve",
     410: "the request was cleared from the queue (`/v1/generate/clear_queue`) before it was served",
     413: "the body is larger than `LOOPLINE_MAX_BODY_BYTES`, or vLLM's answer is too large to travel "

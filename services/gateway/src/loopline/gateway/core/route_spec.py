@@ -28,6 +28,9 @@ FULL = "the deployment's queue is full (admission): retry after `Retry-After`"
 BUS = ("the message bus did not take the request, or no replica has served the model for "
        "`LOOPLINE_REPLICA_GRACE_S`: retry after `Retry-After`")
 NO_BUS = "the message bus is unavailable: retry"
+PAGE = "a negative `limit` or `offset`, or a `limit` above `LOOPLINE_MAX_LIST_LIMIT`"
+STREAMS = ("this key (or client address, without keys) holds `LOOPLINE_MAX_STREAMS_PER_KEY` open "
+           "streams already; or the key is over its request rate or queue share: retry after `Retry-After`")
 TRAINER = {
     502: "the trainer answered with something that is not its API",
     503: "no trainer is running, or it cannot reach Slurm or the datasets store: retry",

@@ -42,11 +42,18 @@ def request_id(group: str, index: int) -> str:
 _GROUP = re.compile(r"[0-9a-f]{32}(?:[0-9a-f]{32})?")
 
 
+# An index is a prompt's position in its batch, written with 9 digits; more than 18 never came
+# from us (and past 4,300 digits int() refuses the text: that was a 500).
+MAX_INDEX_DIGITS = 18
+
+
 def split_request_id(rid: str) -> tuple[str, int]:
     group, _, index = rid.rpartition("_")
-    if not _GROUP.fullmatch(group) or not index.isdigit() or not index.isascii():
-        raise ApiError(400, f"malformed request id {rid!r}: expected <group>_<index> as this server "
-                            "returned it", param="request_ids")
+    if (not _GROUP.fullmatch(group) or not index.isdigit() or not index.isascii()
+            or len(index) > MAX_INDEX_DIGITS):
+        shown = rid if len(rid) <= 120 else f"{rid[:100]}… ({len(rid)} characters)"
+        raise ApiError(400, f"malformed request id {shown!r}: expected <group>_<index> as this server "
+                            f"returned it (at most {MAX_INDEX_DIGITS} index digits)", param="request_ids")
     return group, int(index)
 
 

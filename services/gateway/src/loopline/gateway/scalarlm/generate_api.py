@@ -7,23 +7,29 @@ client relies on a behaviour (long-poll with null for "not yet", zero-padded ids
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import json
-from typing import Any
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import IO, Any
 
 from fastapi import APIRouter, Request, UploadFile
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from loopline.common.config.settings import GatewaySettings
 from loopline.common.contracts import subjects
 from loopline.common.contracts.schemas import (
     BatchManifest,
     ClearQueueReply,
     QueueMetrics,
     ResultItem,
+    WorkItem,
 )
 from loopline.gateway.auth.scopes import ADMIN, INFERENCE
 from loopline.gateway.core.errors import ApiError
+from loopline.gateway.core.limits import over_limit
 from loopline.gateway.core.route_spec import BUS, FIELDS, FULL, MODEL, NOT_JSON, QUEUE, declare
 from loopline.gateway.core.submit import (
     Prompt,
@@ -35,6 +41,7 @@ from loopline.gateway.core.submit import (
     work_item,
 )
 from loopline.gateway.gateway import Gateway, gateway_of
+from loopline.gateway.scalarlm import upload_entries
 
 router = APIRouter(prefix="/v1/generate")
 
@@ -156,10 +163,14 @@ async def generate(body: GenerateRequest, request: Request):
 
 @router.post("/get_results", **declare(INFERENCE, {
     400: f"{NOT_JSON}; no request ids; a malformed request id", 404: "no request with these ids",
-    422: FIELDS}))
+    413: "more request ids than `LOOPLINE_MAX_IDS_PER_POLL`", 422: FIELDS}))
 async def get_results(body: ResultsRequest, request: Request):
     if not body.request_ids:
         raise ApiError(400, "request_ids is empty", param="request_ids")
+    limit = request.app.state.settings.max_ids_per_poll
+    if len(body.request_ids) > limit:  # each id is waited on, and re-read, for the whole long poll
+        raise over_limit(413, f"{len(body.request_ids)} request ids in one poll", limit, "max_ids_per_poll",
+                         param="request_ids")
     results = await collect(gateway_of(request), body.request_ids,
                             request.app.state.settings.response_timeout_s, stored_first=True)
     return JSONResponse({"results": results})
@@ -167,50 +178,109 @@ async def get_results(body: ResultsRequest, request: Request):
 
 @router.post("/upload", **declare(INFERENCE, {
     400: "the file is not a JSON array of requests, or a request is malformed", 404: MODEL,
-    413: "the file is larger than `LOOPLINE_MAX_UPLOAD_BYTES`", 422: FIELDS, 429: FULL, 503: BUS}))
+    413: "the file is larger than `LOOPLINE_MAX_UPLOAD_BYTES`, or one request in it larger than "
+         "`LOOPLINE_MAX_BODY_BYTES`", 422: FIELDS, 429: FULL, 503: BUS}))
 async def upload(file: UploadFile, request: Request):
+    """The file is read as a stream, twice, never whole (scalarlm/upload_entries.py): once for its
+    hash (the batch id), once entry by entry, each checked and spooled to disk; then admission,
+    then the spooled entries are published a slice at a time."""
     gateway = gateway_of(request)
     settings = request.app.state.settings
-    data = await file.read(settings.max_upload_bytes + 1)
-    if len(data) > settings.max_upload_bytes:
-        raise ApiError(413, f"the upload is larger than {settings.max_upload_bytes} bytes")
-    try:
-        entries = json.loads(data)
-    except ValueError as exc:
-        raise ApiError(400, f"the uploaded file is not valid JSON: {exc}") from exc
-    if not isinstance(entries, list) or not entries:
-        raise ApiError(400, "the uploaded file must be a non-empty JSON array of requests")
-    group = hashlib.sha256(data).hexdigest()
+    size = await asyncio.to_thread(_size, file.file)
+    if size > settings.max_upload_bytes:
+        raise over_limit(413, f"the upload is {size} bytes", settings.max_upload_bytes, "max_upload_bytes",
+                         param="file")
+    group = await asyncio.to_thread(upload_entries.file_sha256, file.file)
     if await gateway.work.manifest(group) is not None:
         return {"request_id": group, "error": None}
-    # One batch may name several models or lengths; each run of equal settings is published together.
-    runs: dict[tuple[str | None, int], list[tuple[int, Prompt]]] = {}
-    for i, entry in enumerate(entries):
-        if not isinstance(entry, dict):
-            raise ApiError(400, f"request {i} must be an object with a prompt")
-        prompt = parse_prompt(entry, f"request {i}")
-        max_tokens = entry.get("max_tokens") or settings.default_max_tokens
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ApiError(400, f"request {i}: max_tokens must be a positive integer")
-        model = entry.get("model")
-        if model is not None and not isinstance(model, str):
-            raise ApiError(400, f"request {i}: model must be a string or null")
-        runs.setdefault((model, max_tokens), []).append((i, prompt))
-    plans = []
-    for (model, max_tokens), members in runs.items():
-        route = await gateway.models.resolve(model)
-        check_max_tokens(route, max_tokens)
-        plans.append((route, max_tokens, members))
-    for route, _, members in plans:
-        gateway.admission.admit(route.deployment, len(members))
-    manifest = BatchManifest(group=group, total=len(entries), model=plans[0][0].model, kind="upload")
-    for n, (route, max_tokens, members) in enumerate(plans):
-        items = [work_item(route, request_id(group, i), group, i, p, max_tokens, 0.0, kind="upload",
-                           total=len(entries))
-                 for i, p in members]
-        # The manifest goes last: a batch is "known" only once all its work is durable.
-        await gateway.work.publish(manifest if n == len(plans) - 1 else None, items, route.deployment)
+    with tempfile.TemporaryFile() as spool:
+        # One batch may name several models or lengths; each model is routed once.
+        models, total = await asyncio.to_thread(_spool_entries, file.file, spool, settings)
+        routes = {}
+        counts: dict[str, int] = {}
+        for model, named in models.items():
+            route = await gateway.models.resolve(model)
+            check_max_tokens(route, named.longest)
+            routes[model] = route
+            counts[route.deployment] = counts.get(route.deployment, 0) + named.count
+        for deployment, count in counts.items():
+            gateway.admission.admit(deployment, count)
+        first = next(iter(routes.values()))
+        manifest = BatchManifest(group=group, total=total, model=first.model, kind="upload")
+        spool.seek(0)
+        while slice_ := await asyncio.to_thread(_read_slice, spool):
+            by_deployment: dict[str, list[WorkItem]] = {}
+            for i, model, max_tokens, prompt in slice_:
+                route = routes[model]
+                item = work_item(route, request_id(group, i), group, i, prompt, max_tokens, 0.0,
+                                 kind="upload", total=total)
+                by_deployment.setdefault(route.deployment, []).append(item)
+            for deployment, items in by_deployment.items():
+                await gateway.work.publish(None, items, deployment)
+    # The manifest goes last: a batch is "known" only once all its work is durable.
+    await gateway.work.publish(manifest, [], first.deployment)
     return {"request_id": group, "error": None}
+
+
+# Work items published together from the spool: bounds what one upload holds in memory at once.
+PUBLISH_SLICE = 512
+
+
+@dataclass
+class _Named:
+    """What an upload asks of one model: its longest ``max_tokens`` (checked against the model's
+    context once) and how many requests (admitted at once)."""
+
+    longest: int = 0
+    count: int = 0
+
+
+def _size(f: IO[bytes]) -> int:
+    size = f.seek(0, os.SEEK_END)
+    f.seek(0)
+    return size
+
+
+def _spool_entries(f: IO[bytes], spool: IO[bytes],
+                   settings: GatewaySettings) -> tuple[dict[str | None, _Named], int]:
+    """Check every entry of the upload, writing each as one line of ``spool``; the models named (in
+    order of first use), and how many entries there are. In a thread: a large upload would hold
+    the event loop for seconds."""
+    models: dict[str | None, _Named] = {}
+    total = 0
+    try:
+        for i, entry in enumerate(upload_entries.entries(f, settings.max_body_bytes)):
+            if not isinstance(entry, dict):
+                raise ApiError(400, f"request {i} must be an object with a prompt")
+            prompt = parse_prompt(entry, f"request {i}")
+            max_tokens = entry.get("max_tokens") or settings.default_max_tokens
+            if not isinstance(max_tokens, int) or max_tokens < 1:
+                raise ApiError(400, f"request {i}: max_tokens must be a positive integer")
+            model = entry.get("model")
+            if model is not None and not isinstance(model, str):
+                raise ApiError(400, f"request {i}: model must be a string or null")
+            named = models.setdefault(model, _Named())
+            named.longest, named.count = max(named.longest, max_tokens), named.count + 1
+            spool.write(json.dumps([i, model, max_tokens, prompt.text, prompt.messages]).encode() + b"\n")
+            total += 1
+    except upload_entries.EntryTooLarge as exc:
+        raise over_limit(413, str(exc), exc.limit, "max_body_bytes", param="file") from None
+    except upload_entries.NotAnArray as exc:
+        raise ApiError(400, str(exc), param="file") from None
+    if total == 0:
+        raise ApiError(400, "the uploaded file must be a non-empty JSON array of requests", param="file")
+    return models, total
+
+
+def _read_slice(spool: IO[bytes]) -> list[tuple[int, str | None, int, Prompt]]:
+    entries = []
+    for _ in range(PUBLISH_SLICE):
+        line = spool.readline()
+        if not line:
+            break
+        i, model, max_tokens, text, messages = json.loads(line)
+        entries.append((i, model, max_tokens, Prompt(text=text, messages=messages)))
+    return entries
 
 
 @router.post("/download", **declare(INFERENCE, {

@@ -8,7 +8,8 @@ JOB = {404: "no such job", 422: "the job name is ambiguous (a prefix of several 
 ARCHIVE = {
     400: "the archive cannot be read, holds an unsafe path, or `params` is not JSON",
     403: "the archive ships its own `ml/` code and this trainer does not run user code",
-    413: "the archive or its dataset is larger than the limits",
+    413: "the archive or its dataset is larger than the limits, or a dataset line is longer than "
+         "`LOOPLINE_MAX_DATASET_LINE_BYTES`",
     422: "`params` is not valid train_args (the message names the field), or the dataset is invalid",
 }
 

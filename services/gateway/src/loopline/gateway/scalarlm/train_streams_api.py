@@ -17,8 +17,8 @@ from loopline.common.contracts.job_schemas import JobEvent, LogLines, LogsReques
 from loopline.gateway.auth.scopes import TRAINING
 from loopline.gateway.auth.tenancy import tenant_of
 from loopline.gateway.core.errors import ApiError
-from loopline.gateway.core.event_streams import SSE_HEADERS, sse
-from loopline.gateway.core.route_spec import EVENT_STREAM, FIELDS, NO_BUS, TRAINER, declare
+from loopline.gateway.core.event_streams import SSE_HEADERS, held_stream, sse
+from loopline.gateway.core.route_spec import EVENT_STREAM, FIELDS, NO_BUS, STREAMS, TRAINER, declare
 from loopline.gateway.core.trainer_client import TrainerClient
 from loopline.gateway.gateway import gateway_of
 from loopline.gateway.scalarlm.statuses import JOB
@@ -33,7 +33,8 @@ FINAL_KINDS = {"completed", "failed", "cancelled"}
 
 
 @router.get("/train/logs/{job}", **declare(
-    TRAINING, {**JOB, 422: f"{JOB[422]}; {FIELDS}", **TRAINER}, media_type=EVENT_STREAM))
+    TRAINING, {**JOB, 422: f"{JOB[422]}; {FIELDS}", 429: STREAMS, **TRAINER}, media_type=EVENT_STREAM))
+@held_stream
 async def train_logs(job: str, request: Request, starting_line_number: int = Query(0, ge=0),
                      follow: bool = True):
     """NDJSON lines ``{"line", "line_number"}`` as ScalarLM's CLI parses them (each chunk as JSON lines,
@@ -68,7 +69,9 @@ async def _log_lines(trainer: TrainerClient, page: LogLines, next_line: int, fol
             return
 
 
-@router.get("/train/{job}/events", **declare(TRAINING, {**JOB, **TRAINER}, media_type=EVENT_STREAM))
+@router.get("/train/{job}/events", **declare(TRAINING, {**JOB, 429: STREAMS, **TRAINER},
+                                             media_type=EVENT_STREAM))
+@held_stream
 async def job_events(job: str, request: Request):
     """One job's events, from its first (queued) to its last (completed, failed or cancelled): those
     of its current run. A restarted job's earlier run ended with a final event of its own, which is
@@ -82,7 +85,8 @@ async def job_events(job: str, request: Request):
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-@router.get("/events", **declare(TRAINING, {503: NO_BUS}, media_type=EVENT_STREAM))
+@router.get("/events", **declare(TRAINING, {429: STREAMS, 503: NO_BUS}, media_type=EVENT_STREAM))
+@held_stream
 async def all_job_events(request: Request):
     """Every job's events (the key's own jobs': auth/tenancy.py), stored ones first, then live; the
     stream does not end by itself."""

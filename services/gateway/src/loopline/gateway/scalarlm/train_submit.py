@@ -25,6 +25,7 @@ from loopline.common.contracts.job_schemas import JobInfo, JobSubmit
 from loopline.common.contracts.train_params import TrainParams, canonical
 from loopline.gateway.auth.tenancy import owner_of
 from loopline.gateway.core.errors import ApiError
+from loopline.gateway.core.limits import over_limit
 from loopline.gateway.core.trainer_client import TrainerClient
 from loopline.gateway.gateway import gateway_of
 from loopline.gateway.scalarlm.train_models import TrainResponse, train_response
@@ -72,7 +73,10 @@ def validate_params(params: dict[str, Any]) -> TrainParams:
 def read_archive(source: Path | IO[bytes], settings: GatewaySettings) -> archives.TrainingArchive:
     try:
         return archives.read_training_archive(source, settings.max_dataset_bytes,
-                                              settings.max_archive_members)
+                                              settings.max_archive_members, settings.max_dataset_line_bytes)
+    except archives.LineTooLong as exc:
+        raise over_limit(413, f"{archives.DATASET_FILE} line {exc.number} is too long", exc.limit,
+                         "max_dataset_line_bytes", param="file") from exc
     except archives.ArchiveError as exc:
         raise ApiError(_STATUS_OF.get(type(exc), 400), str(exc), param="file") from exc
 

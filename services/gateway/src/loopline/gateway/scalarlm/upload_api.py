@@ -17,6 +17,7 @@ from loopline.common.contracts.job_hash import Sha256Hex
 from loopline.common.contracts.train_params import TrainParams, canonical
 from loopline.gateway.auth.scopes import TRAINING
 from loopline.gateway.core.errors import ApiError
+from loopline.gateway.core.limits import over_limit
 from loopline.gateway.core.route_spec import FIELDS, NOT_JSON, TRAINER, declare
 from loopline.gateway.gateway import gateway_of
 from loopline.gateway.scalarlm.statuses import ARCHIVE, CHUNK_BODY
@@ -59,7 +60,8 @@ async def plan_of(request: Request, upload_id: str) -> UploadPlan:
 
 
 @router.post("/init", **declare(TRAINING, {
-    400: NOT_JSON, 413: "the upload or its chunks are larger than the limits",
+    400: NOT_JSON, 413: "the upload or its chunks are larger than the limits, or it has more chunks "
+                        "than `LOOPLINE_MAX_UPLOAD_CHUNKS`",
     422: f"{FIELDS}; the chunk count does not match the sizes; invalid `params`"}))
 async def init(body: InitRequest, request: Request):
     settings = request.app.state.settings
@@ -69,6 +71,14 @@ async def init(body: InitRequest, request: Request):
     if body.chunk_size > settings.max_chunk_bytes:
         raise ApiError(413, f"chunks of {body.chunk_size} bytes are larger than the limit of "
                             f"{settings.max_chunk_bytes}; send smaller chunks")
+    # Before the plan is stored: init and finalize look up every chunk (one coroutine each).
+    if body.num_chunks > settings.max_upload_chunks:
+        raise over_limit(413, f"{body.num_chunks} chunks in one upload", settings.max_upload_chunks,
+                         "max_upload_chunks", param="num_chunks")
+    needed = -(-body.total_size // body.chunk_size)
+    if needed > settings.max_upload_chunks:
+        raise over_limit(413, f"{body.total_size} bytes in chunks of {body.chunk_size} make {needed} chunks",
+                         settings.max_upload_chunks, "max_upload_chunks", param="chunk_size")
     if body.num_chunks != -(-body.total_size // body.chunk_size):
         raise ApiError(422, f"{body.total_size} bytes in chunks of {body.chunk_size} make "
                             f"{-(-body.total_size // body.chunk_size)} chunks, not {body.num_chunks}")

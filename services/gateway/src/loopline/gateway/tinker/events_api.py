@@ -22,8 +22,8 @@ from loopline.common.contracts import subjects
 from loopline.common.contracts.tinker_schemas import SessionEvent, TinkerModel, TinkerWorker
 from loopline.gateway.auth.scopes import TRAINING
 from loopline.gateway.core.errors import ApiError
-from loopline.gateway.core.event_streams import SSE_HEADERS, sse
-from loopline.gateway.core.route_spec import EVENT_STREAM, FIELDS, NO_BUS, declare
+from loopline.gateway.core.event_streams import SSE_HEADERS, held_stream, sse
+from loopline.gateway.core.route_spec import EVENT_STREAM, FIELDS, NO_BUS, STREAMS, declare
 from loopline.gateway.gateway import Gateway, gateway_of
 
 router = APIRouter(prefix="/v1/tinker")
@@ -44,7 +44,8 @@ def _start(after: int | None) -> int | None:
     return None if after is None else after + 1
 
 
-@router.get("/events", **declare(TRAINING, {422: FIELDS, 503: NO_BUS}, media_type=EVENT_STREAM))
+@router.get("/events", **declare(TRAINING, {422: FIELDS, 429: STREAMS, 503: NO_BUS}, media_type=EVENT_STREAM))
+@held_stream
 async def all_session_events(request: Request, history: bool = False, after: int | None = AFTER):
     """Every session worker's events as they happen; ``history=true`` sends the stored ones first.
     The stream does not end by itself."""
@@ -55,7 +56,8 @@ async def all_session_events(request: Request, history: bool = False, after: int
 
 
 @router.get("/workers/{worker_id}/events", **declare(TRAINING, {
-    404: "no such session worker", 422: FIELDS, 503: NO_BUS}, media_type=EVENT_STREAM))
+    404: "no such session worker", 422: FIELDS, 429: STREAMS, 503: NO_BUS}, media_type=EVENT_STREAM))
+@held_stream
 async def worker_events(request: Request, worker_id: str, after: int | None = AFTER):
     """One session worker's events, from its first to the one that ends it (released, failed); for a
     worker over already, its stored history, then the stream closes."""
@@ -70,7 +72,8 @@ async def worker_events(request: Request, worker_id: str, after: int | None = AF
 
 @router.get("/runs/{run_id}/events", **declare(TRAINING, {
     404: "no such training run", 409: "the run is not on a session worker yet: retry", 422: FIELDS,
-    503: NO_BUS}, media_type=EVENT_STREAM))
+    429: STREAMS, 503: NO_BUS}, media_type=EVENT_STREAM))
+@held_stream
 async def run_events(request: Request, run_id: str, after: int | None = AFTER):
     """One training run's events (``run_id`` is the training client's model id), and its worker's
     end; the stream ends when the run is released or fails, or its worker ends."""

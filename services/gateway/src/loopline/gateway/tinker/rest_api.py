@@ -14,7 +14,8 @@ from loopline.common.contracts import tinker_names
 from loopline.common.contracts.tinker_schemas import TinkerCheckpoint, TinkerModel
 from loopline.gateway.auth.scopes import ANY_KEY, OPEN, TRAINING
 from loopline.gateway.core.errors import ApiError
-from loopline.gateway.core.route_spec import FIELDS, declare
+from loopline.gateway.core.limits import check_page
+from loopline.gateway.core.route_spec import FIELDS, PAGE, declare
 from loopline.gateway.gateway import gateway_of
 from loopline.gateway.tinker.bodies import json_object
 from loopline.gateway.tinker.statuses import BODY
@@ -47,8 +48,9 @@ def run_body(model: TinkerModel, checkpoints: list[TinkerCheckpoint]) -> dict[st
             "user_metadata": model.user_metadata or None}
 
 
-@router.get("/training_runs", **declare(TRAINING, {422: FIELDS}))
+@router.get("/training_runs", **declare(TRAINING, {400: PAGE, 422: FIELDS}))
 async def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+    check_page(limit, offset, gateway_of(request).settings.max_list_limit)
     store = gateway_of(request).tinker.store
     models = sorted(await store.models(), key=lambda m: m.created_at, reverse=True)
     page = models[offset: offset + limit]
@@ -101,8 +103,9 @@ async def weights_info(request: Request) -> dict[str, Any]:
             "train_attn": model.lora.train_attn}
 
 
-@router.get("/sessions", **declare(TRAINING, {422: FIELDS}))
+@router.get("/sessions", **declare(TRAINING, {400: PAGE, 422: FIELDS}))
 async def list_sessions(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+    check_page(limit, offset, gateway_of(request).settings.max_list_limit)
     sessions = await gateway_of(request).tinker.store.sessions()
     sessions.sort(key=lambda s: s.created_at, reverse=True)
     return {"sessions": [s.session_id for s in sessions[offset: offset + limit]]}

@@ -23,6 +23,7 @@ from loopline.common.contracts.tinker_schemas import FutureResult, Payload, Tink
 from loopline.common.runtime import bus
 from loopline.gateway.auth.scopes import INFERENCE
 from loopline.gateway.core.errors import ApiError
+from loopline.gateway.core.limits import check_count
 from loopline.gateway.core.route_spec import BUS, FULL, declare
 from loopline.gateway.core.submit import fresh_group, request_id, split_request_id
 from loopline.gateway.gateway import Gateway, gateway_of
@@ -79,12 +80,17 @@ async def get_sampler(request: Request, sampler_id: str) -> dict[str, Any]:
 
 
 @router.post("/asample", **declare(INFERENCE, {
-    400: f"{BODY}; a sampling option this server cannot honour (the message names it)",
+    400: f"{BODY}; a sampling option this server cannot honour (the message names it); more "
+         "`num_samples` than `LOOPLINE_MAX_SAMPLES_PER_REQUEST`",
     404: "no such sampling session, checkpoint or base model", 429: FULL, 503: BUS}))
 async def asample(request: Request) -> dict[str, Any]:
     raw = await request.body()
     body = await parse(request, tt.SampleRequest)
     gateway = gateway_of(request)
+    # Before anything is made for it: the reply alone lists one id per sample (10**9 of them once
+    # grew the gateway to 22 GB), and the answer holds every sample.
+    check_count(body.num_samples, gateway.settings.max_samples_per_request, "max_samples_per_request",
+                "num_samples")
     if body.sampling_session_id is not None:
         found = await gateway.tinker.store.sampler(body.sampling_session_id)
         if found is None:

@@ -1,0 +1,43 @@
+"""Refusals of a client-controlled size beyond its limit. Each names the limit and the setting that
+raises it (``LOOPLINE_*``): the client learns what was too much, the operator what to change.
+
+Every size a client chooses (how many samples, ids, chunks, list entries, streams; how long a line)
+is checked against its limit before any work is done for it: one request must not be able to make
+the gateway allocate in proportion to a number it picked.
+"""
+
+from __future__ import annotations
+
+from loopline.gateway.core.errors import ApiError
+
+
+def setting_env(field: str) -> str:
+    """The environment variable of a GatewaySettings field (settings.py maps them by upper-casing)."""
+    return f"LOOPLINE_{field.upper()}"
+
+
+def over_limit(status: int, what: str, limit: int, field: str, *, param: str | None = None) -> ApiError:
+    """``what`` (the offending size, in the client's words) refused: the limit and its setting."""
+    return ApiError(status, f"{what}; the limit is {limit} (`{setting_env(field)}`)", param=param)
+
+
+def check_count(value: object, limit: int, field: str, param: str, *, status: int = 400) -> None:
+    """A count the client sent (``n``, ``num_samples``): a positive integer no larger than ``limit``.
+    Anything but an int is left to whoever reads it (vLLM answers its own 400 for ``n="x"``)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return
+    if value < 1:
+        raise ApiError(400, f"{param}={value}: must be at least 1", param=param)
+    if value > limit:
+        raise over_limit(status, f"{param}={value} is too many", limit, field, param=param)
+
+
+def check_page(limit: int, offset: int, max_limit: int) -> None:
+    """A list route's ``limit`` and ``offset``: 0 or more, and no more entries than ``max_limit``
+    (a negative one would slice from the end, silently answering something else than was asked)."""
+    for name, value in (("limit", limit), ("offset", offset)):
+        if value < 0:
+            raise ApiError(400, f"{name}={value}: must be 0 or more", param=name)
+    if limit > max_limit:
+        raise over_limit(400, f"limit={limit} is too many entries for one page", max_limit, "max_list_limit",
+                         param="limit")

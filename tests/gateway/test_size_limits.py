@@ -1,0 +1,275 @@
+"""Every size a client chooses is bounded before the gateway works for it (issue 23): a 4xx that names
+the limit and its setting (``LOOPLINE_*``), and, where the size used to cost memory, the gateway's
+peak RSS stays within a stated bound while it refuses.
+
+The gateway is its own process on a real nats-server, with nothing else (no trainer, no replica):
+every refusal here comes before any of them would be asked. Its peak RSS is the kernel's high-water
+mark (``VmHWM``), reset before each request (``clear_refs``), next to psutil's current RSS.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from loopline.common.local import launcher
+from support.gateway_process import BASE_MODEL, start_gateway
+
+MiB = 1024 * 1024
+MAX_SAMPLES = 8
+MAX_IDS = 50
+MAX_CHUNKS = 16
+MAX_LINE = 64 * 1024
+MAX_LIST = 100
+MAX_STREAMS = 2
+MAX_BODY = 1 * MiB
+MAX_UPLOAD = 128 * MiB
+# What one refused request may add to the gateway's peak RSS: a few blocks of a stream and the
+# request's own objects. Unbounded, each of these requests cost 100 MB or more (noted per test).
+RSS_BOUND = 40 * MiB
+
+
+@pytest.fixture(scope="module")
+def gateway(nats_proc, tmp_path_factory):
+    gw = start_gateway(
+        nats_proc.info["url"], tmp_path_factory.mktemp("limits"),
+        LOOPLINE_MAX_SAMPLES_PER_REQUEST=str(MAX_SAMPLES), LOOPLINE_MAX_IDS_PER_POLL=str(MAX_IDS),
+        LOOPLINE_MAX_UPLOAD_CHUNKS=str(MAX_CHUNKS), LOOPLINE_MAX_DATASET_LINE_BYTES=str(MAX_LINE),
+        LOOPLINE_MAX_LIST_LIMIT=str(MAX_LIST), LOOPLINE_MAX_STREAMS_PER_KEY=str(MAX_STREAMS),
+        LOOPLINE_MAX_BODY_BYTES=str(MAX_BODY), LOOPLINE_MAX_UPLOAD_BYTES=str(MAX_UPLOAD),
+        LOOPLINE_MAX_DATASET_BYTES=str(1024 * MiB), LOOPLINE_MAX_CHUNK_BYTES=str(8 * MiB))
+    yield gw
+    launcher.stop(gw.proc)
+
+
+@pytest.fixture
+def http(gateway):
+    with httpx.Client(base_url=gateway.url, timeout=60) as client:
+        yield client
+
+
+class PeakRss:
+    """The gateway process's peak resident memory over a stretch of time."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.proc = psutil.Process(pid)
+
+    def __enter__(self) -> PeakRss:
+        Path(f"/proc/{self.pid}/clear_refs").write_text("5")  # the high-water mark := the RSS now
+        self.before = self.proc.memory_info().rss
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        status = Path(f"/proc/{self.pid}/status").read_text()
+        self.peak = int(next(line.split()[1] for line in status.splitlines()
+                             if line.startswith("VmHWM:"))) * 1024
+        self.after = self.proc.memory_info().rss
+
+    @property
+    def growth(self) -> int:
+        return max(self.peak, self.after) - self.before
+
+
+def names(resp: httpx.Response, setting: str) -> bool:
+    return setting in resp.text
+
+
+# --- num_samples and n -----------------------------------------------------------------------------
+def sample_request(num_samples: int) -> dict:
+    return {"num_samples": num_samples, "base_model": BASE_MODEL,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+            "sampling_params": {"temperature": 0, "max_tokens": 1}}
+
+
+def test_tinker_num_samples_beyond_the_limit_is_400_before_any_work(http, gateway):
+    """Before: num_samples=10**9 at temperature 0 made the reply list a billion sequence ids, and
+    the gateway grew to 22 GB until the OOM killer took it (and `make up` with it)."""
+    with PeakRss(gateway.proc.pid) as rss:
+        resp = http.post("/api/v1/asample", json=sample_request(10**9))
+    assert resp.status_code == 400, resp.text
+    assert names(resp, "LOOPLINE_MAX_SAMPLES_PER_REQUEST") and f"limit is {MAX_SAMPLES}" in resp.text
+    assert rss.growth < RSS_BOUND, rss.growth
+    # At the limit the count is let through (and the request goes on: here, no replica serves it).
+    resp = http.post("/api/v1/asample", json=sample_request(MAX_SAMPLES))
+    assert not names(resp, "LOOPLINE_MAX_SAMPLES_PER_REQUEST"), resp.text
+    resp = http.post("/api/v1/asample", json=sample_request(0))
+    assert resp.status_code == 400 and "num_samples=0" in resp.text
+
+
+@pytest.mark.parametrize("field", ["n", "best_of"])
+def test_openai_n_beyond_the_limit_is_400_in_openais_shape(http, field):
+    resp = http.post("/v1/completions", json={"model": BASE_MODEL, "prompt": "x", field: 10**9})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == field and "LOOPLINE_MAX_SAMPLES_PER_REQUEST" in error["message"]
+    resp = http.post("/v1/completions", json={"model": BASE_MODEL, "prompt": "x", field: MAX_SAMPLES})
+    assert not names(resp, "LOOPLINE_MAX_SAMPLES_PER_REQUEST"), resp.text
+
+
+# --- get_results ------------------------------------------------------------------------------------
+def test_more_request_ids_than_the_limit_in_one_poll_is_413(http):
+    ids = [f"{'a' * 64}_{i:09d}" for i in range(MAX_IDS + 1)]
+    started = time.monotonic()
+    resp = http.post("/v1/generate/get_results", json={"request_ids": ids})
+    assert resp.status_code == 413, resp.text
+    assert names(resp, "LOOPLINE_MAX_IDS_PER_POLL") and time.monotonic() - started < 5
+    # At the limit they are looked up (unknown here: 404 at once).
+    resp = http.post("/v1/generate/get_results", json={"request_ids": ids[:MAX_IDS]})
+    assert resp.status_code == 404, resp.text
+
+
+def test_a_request_id_with_a_huge_index_is_400_not_500(http):
+    """Before: a 4,300-digit index passed the id check and int() refused it: a 500."""
+    resp = http.post("/v1/generate/get_results", json={"request_ids": [f"{'a' * 64}_{'9' * 4300}"]})
+    assert resp.status_code == 400, resp.text
+    detail = resp.json()["detail"]
+    assert "malformed request id" in detail and "index digits" in detail and len(detail) < 1000
+
+
+# --- chunked upload ---------------------------------------------------------------------------------
+def init(http: httpx.Client, total: int, chunk: int, count: int) -> httpx.Response:
+    return http.post("/v1/megatron/upload/init", json={
+        "total_size": total, "total_hash": "ab" * 32, "chunk_size": chunk, "num_chunks": count})
+
+
+def test_a_chunked_upload_of_more_chunks_than_the_limit_is_413_at_init(http):
+    """Before: chunk_size=1 for 1 GiB was accepted, and init and finalize looked up a billion
+    chunks, one coroutine each."""
+    total = 64 * MiB
+    started = time.monotonic()
+    resp = init(http, total, 1, total)
+    assert resp.status_code == 413 and names(resp, "LOOPLINE_MAX_UPLOAD_CHUNKS"), resp.text
+    # A count that does not match its sizes is refused by the sizes, not by the count sent.
+    resp = init(http, total, 1, 1)
+    assert resp.status_code == 413 and names(resp, "LOOPLINE_MAX_UPLOAD_CHUNKS"), resp.text
+    assert time.monotonic() - started < 5
+    resp = init(http, MAX_CHUNKS * MiB, MiB, MAX_CHUNKS)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["received_chunks"] == []
+
+
+# --- one dataset line -------------------------------------------------------------------------------
+def gzip_of_one_line(length: int) -> bytes:
+    """A gzip of one dataset line ``length`` bytes long, made without holding the line."""
+    deflate = zlib.compressobj(9, zlib.DEFLATED, 31)  # 31: the gzip container
+    parts = [deflate.compress(b'{"input": "')]
+    block = b"a" * MiB
+    for _ in range(length // MiB):
+        parts.append(deflate.compress(block))
+    parts.append(deflate.compress(b'", "output": "b"}\n'))
+    parts.append(deflate.flush())
+    return b"".join(parts)
+
+
+def test_a_dataset_line_beyond_the_limit_is_413_while_it_streams(http, gateway):
+    """Before: a 39 KB gzip holding one 40 MB line peaked at 120 MB (the line whole, decoded, parsed);
+    here a 100 MB line, refused once the limit's worth of it has been read."""
+    archive = gzip_of_one_line(100 * MiB)
+    assert len(archive) < 1 * MiB
+    with PeakRss(gateway.proc.pid) as rss:
+        resp = http.post("/v1/megatron/train", files={"file": ("dataset.jsonlines.gz", archive)})
+    assert resp.status_code == 413, resp.text
+    assert names(resp, "LOOPLINE_MAX_DATASET_LINE_BYTES") and "line 1" in resp.text
+    assert rss.growth < RSS_BOUND, rss.growth
+
+
+# --- /v1/generate/upload ----------------------------------------------------------------------------
+def test_generate_upload_is_read_as_a_stream(http, gateway):
+    """Before: the file was read whole and parsed with json.loads (64 MB of prompts: about 200 MB
+    at the peak) before anything was checked. Here its last request is malformed: every entry is
+    read and checked, one at a time, and the peak stays within the bound."""
+    prompt = "p" * 1000
+    entry = json.dumps({"prompt": prompt, "max_tokens": 4}).encode()
+    count = 64 * MiB // (len(entry) + 1)
+    body = io.BytesIO()
+    body.write(b"[")
+    for _ in range(count):
+        body.write(entry + b",")
+    body.write(b'{"prompt": 5}]')
+    with PeakRss(gateway.proc.pid) as rss:
+        resp = http.post("/v1/generate/upload", files={"file": ("requests.json", body.getvalue())})
+    assert resp.status_code == 400, resp.text
+    assert f"request {count} must be a string" in resp.json()["detail"]
+    assert rss.growth < RSS_BOUND, rss.growth
+
+
+def test_one_upload_request_larger_than_a_body_is_413(http):
+    body = b'[{"prompt": "' + b"x" * (MAX_BODY + 10) + b'"}]'
+    resp = http.post("/v1/generate/upload", files={"file": ("requests.json", body)})
+    assert resp.status_code == 413 and names(resp, "LOOPLINE_MAX_BODY_BYTES"), resp.text
+    assert "request 0" in resp.text
+
+
+def test_an_upload_that_is_not_an_array_is_400(http):
+    for body in (b"not json", b"{}", b"[", b'[{"prompt": "x"},]', b"[]"):
+        resp = http.post("/v1/generate/upload", files={"file": ("requests.json", body)})
+        assert resp.status_code == 400, (body, resp.text)
+
+
+# --- list limits ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("route", ["/api/v1/training_runs", "/api/v1/sessions"])
+def test_a_list_limit_beyond_the_limit_is_400(http, route):
+    resp = http.get(route, params={"limit": MAX_LIST + 1})
+    assert resp.status_code == 400 and names(resp, "LOOPLINE_MAX_LIST_LIMIT"), resp.text
+    for bad in ({"limit": -1}, {"offset": -5}):
+        resp = http.get(route, params=bad)
+        assert resp.status_code == 400 and "must be 0 or more" in resp.text, resp.text
+    assert http.get(route, params={"limit": MAX_LIST}).status_code == 200
+
+
+# --- open event streams -----------------------------------------------------------------------------
+def test_open_event_streams_per_client_are_capped(gateway):
+    """Without keys the holder is the client's address: MAX_STREAMS streams stay open, one more is
+    429 naming the setting; once one closes, a stream opens again."""
+    close = threading.Event()
+    opened: list[threading.Event] = []
+
+    def hold(route: str, ready: threading.Event) -> None:
+        with httpx.stream("GET", f"{gateway.url}{route}", timeout=30) as stream:
+            assert stream.status_code == 200
+            ready.set()
+            close.wait(30)
+
+    threads = []
+    for route in ("/v1/megatron/events", "/v1/tinker/events"):
+        ready = threading.Event()
+        opened.append(ready)
+        threads.append(threading.Thread(target=hold, args=(route, ready), daemon=True))
+        threads[-1].start()
+    try:
+        assert all(ready.wait(10) for ready in opened)
+        refused = httpx.get(f"{gateway.url}/v1/megatron/events", timeout=10)
+        assert refused.status_code == 429, refused.text
+        assert names(refused, "LOOPLINE_MAX_STREAMS_PER_KEY") and f"limit is {MAX_STREAMS}" in refused.text
+    finally:
+        close.set()
+        for thread in threads:
+            thread.join(10)
+    # The closed streams gave their slots back (the server notices the client gone at its next write,
+    # a keep-alive at the latest: poll a little).
+    deadline = time.monotonic() + 20
+    while True:
+        with httpx.stream("GET", f"{gateway.url}/v1/megatron/events", timeout=10) as stream:
+            if stream.status_code == 200:
+                break
+        assert time.monotonic() < deadline, "the closed streams' slots were not given back"
+        time.sleep(0.5)
+
+
+def test_a_gzip_line_within_the_limit_is_not_refused_for_its_length(http):
+    line = json.dumps({"input": "x" * (MAX_LINE - 40), "output": "y"}).encode() + b"\n"
+    assert len(line) <= MAX_LINE
+    resp = http.post("/v1/megatron/train", files={"file": ("dataset.jsonlines.gz", gzip.compress(line))})
+    # No trainer runs here: the archive was read and accepted, then the trainer was asked (503/504).
+    assert not names(resp, "LOOPLINE_MAX_DATASET_LINE_BYTES"), resp.text
+    assert resp.status_code in (503, 504), resp.text
