@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install slurm up lint typecheck test test-fast bench tiny-model clean docs
+.PHONY: install slurm browser up lint typecheck test test-fast bench tiny-model clean docs
 
 install:
 	@scripts/install.sh
@@ -15,6 +15,11 @@ up: install
 slurm:
 	@scripts/slurm/install.sh || echo "Slurm could not be installed: its tests will be skipped"
 
+# Debian's headless Chromium for the browser tests (tests/support/browser.py; needs root or sudo).
+# Where that cannot work, those tests skip, unless CI=true (.ci/run), where they fail.
+browser:
+	@scripts/browser/install.sh || echo "Chromium could not be installed: the browser tests will be skipped"
+
 # Ruff's rules and mypy's settings are in pyproject.toml; `make test` runs both before pytest.
 lint: install
 	@$(VENV)/bin/ruff check libs services ml cli bench deploy tests scripts
@@ -24,7 +29,7 @@ typecheck: install
 
 # The whole suite, as two pytest processes at once (scripts/test_lanes.py says why): the tests that
 # start stacks, and the rest. `$(PY) -m pytest` runs it as one.
-test: install slurm lint typecheck
+test: install slurm browser lint typecheck
 	@$(PY) scripts/test_lanes.py $(PYTEST_ARGS)
 
 # The edit loop: every test but the slow tiers (tests/support/tiers.py; README "Tests"), in a few
