@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shlex
 import shutil
 import subprocess
@@ -52,6 +53,11 @@ class JobControl:
         # Whom a job's own ml/ code runs as (a uid per job, where the trainer is root); a bad name ends
         # the trainer at start, not a job later.
         self.job_user = job_env.job_user(settings.job_user, uid_range=settings.job_uid_range)
+        if settings.allow_user_code and self.job_user is None:
+            # make up as a laptop's own user: their code, their uid. Anywhere shared it is not boxed.
+            log.warning("LOOPLINE_ALLOW_USER_CODE is on and a job's own ml/ code runs as this trainer's "
+                        "own user (uid %d), with its rights: fine for one user's own machine only; run "
+                        "the trainer as root to give each job a uid of its own", os.geteuid())
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     def lock(self, job_hash: str) -> asyncio.Lock:
