@@ -250,11 +250,16 @@ class TrainerSettings(CommonSettings):
     job_env_allow: str = Field(default="", description=(
         "More variables a training job may see, comma-separated (`SITE_VAR,SITE_*`: a trailing `*` "
         "is a prefix), beyond the built-in allowlist (PATH, HOME, locale, CUDA/NCCL/torch/HF, the "
-        "job's own `LOOPLINE_*`); secrets (`*_KEY`, `*_TOKEN`, `*PASSWORD*`, `*SECRET*`, the "
-        "database URL, API keys) are never passed, and URLs lose their `user:password@`."))
+        "job's own `LOOPLINE_*`); secrets (`*_KEY`, `*_TOKEN`, `*PASSWORD*`, `*SECRET*`, "
+        "`*CREDENTIAL*`, `*JWT*`, `*AUTH*`, the database URL, API keys) are never passed, and URLs "
+        "lose their `user:password@`."))
     job_user: str | None = Field(default=None, json_schema_extra=unset_means(
-        "`nobody` when the trainer runs as root"), description=(
-        "The user a job's own `ml/` code runs as (when allowed); `root` keeps the trainer's user."))
+        "a uid of its own per job (`job_uid_range`) when the trainer runs as root"), description=(
+        "The one user every job's own `ml/` code runs as (when allowed; jobs can then read each "
+        "other's files); `root` keeps the trainer's user."))
+    job_uid_range: str = Field(default="200000000-200999999", description=(
+        "The uids (first-last, no passwd entries needed) a root trainer gives jobs with their own "
+        "`ml/` code, one per job, so one job's code cannot read another job's directory."))
     tinker_worker_nats_url: str | None = Field(default=None, json_schema_extra=unset_means(
         "`$LOOPLINE_NATS_URL`"), description=(
         "The NATS URL a Tinker session worker gets, with the `tinker-worker` credentials where NATS "
