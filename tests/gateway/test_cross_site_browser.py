@@ -85,29 +85,21 @@ def chromium() -> str:
 
 
 @pytest.fixture(scope="module")
-def queue(nats_proc, tmp_path_factory) -> Iterator[None]:
-    """The real queue service, and a deployment of the gateway's model with its work consumer (what
-    a replica announces when it starts): completions are queued for it, and clear_queue clears them."""
-    nats_url = nats_proc.info["url"]
-    state = tmp_path_factory.mktemp("queue")
+def deployment(nats_bus, queue_service) -> None:
+    """A deployment of the gateway's model with its work consumer (what a replica announces when it
+    starts) and no replica: completions are queued for it and wait, and clear_queue clears them."""
     info = DeploymentInfo(model=BASE_MODEL, deployment=DEPLOYMENT, max_model_len=128, engine="vllm")
 
     async def deploy(nc) -> None:
         js = nc.jetstream()
-        await bus.ensure_topology(js)
         await (await js.key_value(subjects.MODELS_BUCKET)).put(DEPLOYMENT, info.model_dump_json().encode())
         await bus.ensure_work_consumer(js, DEPLOYMENT, ack_wait_s=30, max_deliver=5)
 
-    BusView(nats_url).ask(deploy)
-    env = {"LOOPLINE_NATS_URL": nats_url, "LOOPLINE_STATE_DIR": str(state),
-           "LOOPLINE_STATE_INTERVAL_S": "0.1"}
-    proc = launcher.start_service("queue", env, state / "queue.log")
-    yield
-    launcher.stop(proc)
+    nats_bus.ask(deploy)
 
 
 @pytest.fixture(scope="module")
-def make_up_gateway(nats_proc, trainer, queue, tmp_path_factory):
+def make_up_gateway(nats_proc, trainer, deployment, tmp_path_factory):
     """No keys, as ``make up``; a long grace, so the deployment without replicas takes completions."""
     gw = start_gateway(nats_proc.info["url"], tmp_path_factory.mktemp("gateway"),
                        LOOPLINE_REPLICA_GRACE_S="3600")

@@ -68,21 +68,26 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("origin", "site", "status"), CASES)
-async def test_state_changing_requests_from_other_origins_are_refused(gateway_client, origin, site, status):
-    headers = {k: v for k, v in {"Origin": origin, "Sec-Fetch-Site": site}.items() if v is not None}
+async def test_state_changing_requests_from_other_origins_are_refused(gateway_client):
+    # One app for the whole table: starting a Gateway costs half a second.
     async with gateway_client() as http:
-        resp = await http.post(ROUTE, headers=headers)
-    assert resp.status_code == status, resp.text
-    if status == 200:
-        assert resp.json() == {}  # the route's own answer (its defaults)
-        return
-    detail = resp.json()["detail"]
-    assert "cross-site request refused" in detail and "LOOPLINE_ALLOWED_ORIGINS" in detail
-    if origin is not None:
-        assert f"'{normalize_origin(origin)}'" in detail or "Origin: null" in detail
-    if site is not None and origin != "null":
-        assert f"Sec-Fetch-Site: {site}" in detail or "not one of this gateway's" in detail
+        for origin, site, status in CASES:
+            case = f"Origin {origin}, Sec-Fetch-Site {site}"
+            headers = {k: v for k, v in {"Origin": origin, "Sec-Fetch-Site": site}.items() if v is not None}
+            resp = await http.post(ROUTE, headers=headers)
+            assert resp.status_code == status, (case, resp.text)
+            if status == 200:
+                assert resp.json() == {}, case  # the route's own answer (its defaults)
+                continue
+            detail = resp.json()["detail"]
+            assert "cross-site request refused" in detail and "LOOPLINE_ALLOWED_ORIGINS" in detail, case
+            # It says why: the origin it came from, or what the browser said of it.
+            if origin == "null":
+                assert "Origin: null" in detail, case
+            elif origin is not None:
+                assert f"'{normalize_origin(origin)}'" in detail, (case, detail)
+            else:
+                assert f"Sec-Fetch-Site: {site}" in detail, (case, detail)
 
 
 async def test_safe_methods_are_not_refused(gateway_client):
@@ -93,7 +98,7 @@ async def test_safe_methods_are_not_refused(gateway_client):
         # A CORS preflight is not approved (the gateway has no CORS), so no non-simple request follows.
         preflight = await http.options(ROUTE, headers={"Origin": "http://evil.example",
                                                        "Access-Control-Request-Method": "POST"})
-        assert preflight.status_code != 403 and "access-control-allow-origin" not in preflight.headers
+        assert preflight.status_code == 405 and "access-control-allow-origin" not in preflight.headers
 
 
 async def test_openai_routes_are_refused_in_openais_shape(gateway_client):
