@@ -9,6 +9,8 @@ name several models, each a deployment of its own (stack.py says how to set one 
 On 127.0.0.1 a job's own ``ml/`` code is allowed unless ``LOOPLINE_ALLOW_USER_CODE`` says otherwise.
 With API keys on (``LOOPLINE_API_KEYS`` or ``LOOPLINE_API_KEYS_FILE``) its readiness probes carry a key
 (``stack.probe_key``): the user's first plain key, else one of its own that only the gateway gets.
+An inference replica that exits (its engine died) is started again, with backoff, and the log says
+so (restarts.py); any other process's exit stops the platform.
 
 Ports: the gateway's (8000), NATS's client (4222) and monitoring (8222) ports are their defaults
 while nothing listens there; a default that is taken (another ``make up``) moves to a free port, one
@@ -26,6 +28,7 @@ from collections.abc import Mapping
 
 from loopline.common.config.settings import StackSettings
 from loopline.common.local import launcher
+from loopline.common.local.restarts import ReplicaRestarts
 from loopline.common.local.stack import LocalStack
 
 # `make up` on 127.0.0.1 is one user on their own machine: the ml/ code the scalarlm client ships
@@ -99,8 +102,10 @@ def main() -> int:
               f"{stack.models_dir}; logs in {stack.logs}) …", flush=True)
         stack.start()
         print(f"\nLoopline is up: {stack.url}   (Ctrl-C stops everything)\n", flush=True)
-        # Invariant: every process we started is alive; if one dies, report it and stop the rest.
-        while not (dead := stack.dead()):
+        # Invariant: every process we started is alive or, an inference replica, about to be
+        # started again (restarts.py); if another dies, report it and stop the rest.
+        restarts = ReplicaRestarts(stack)
+        while not (dead := restarts.check()):
             time.sleep(0.5)
         for proc in dead:
             print(f"{proc.name} exited ({proc.popen.returncode}); its log ends:\n{proc.log_tail()}",
