@@ -88,3 +88,41 @@ async def _has(js, datasets, adapters, tag: str) -> bool:
 
 async def _all(js, datasets, adapters, tag: str) -> bool:
     return all(await _present(js, datasets, adapters, tag))
+
+
+@pytest.mark.asyncio
+async def test_tinker_sessions_go_unless_written_again(tmp_path):
+    """TINKER_SESSIONS and TINKER_SAMPLERS keep a record LOOPLINE_TINKER_SESSIONS_MAX_AGE_S past its
+    last write (buckets made before the TTL are brought to it): an abandoned session goes, one
+    heartbeated (written again) stays."""
+    with nats_server(tmp_path) as proc:
+        nc = await bus.connect(proc.info["url"], "retention-test")
+        try:
+            js = nc.jetstream()
+            await bus.ensure_topology(js, retention=bus.Retention.of(CommonSettings()))
+            await bus.ensure_topology(js, retention=bus.Retention(SHORT_S, 0, 0, SHORT_S))
+            sessions = await js.key_value(subjects.TINKER_SESSIONS_BUCKET)
+            samplers = await js.key_value(subjects.TINKER_SAMPLERS_BUCKET)
+            for bucket in (subjects.TINKER_SESSIONS_BUCKET, subjects.TINKER_SAMPLERS_BUCKET):
+                assert (await js.stream_info(f"KV_{bucket}")).config.max_age == pytest.approx(SHORT_S)
+            for kv in (sessions, samplers):
+                await kv.put("abandoned", b"{}")
+                await kv.put("in-use", b"{}")
+            # Invariant: "in-use" was last written less than SHORT_S ago at every look.
+            for _ in range(int((SHORT_S + 10) / 0.5)):
+                await asyncio.sleep(0.5)
+                for kv in (sessions, samplers):
+                    await kv.put("in-use", b"{}")  # a heartbeat, a use
+                if not await _kv_has(sessions, "abandoned") and not await _kv_has(samplers, "abandoned"):
+                    break
+            for kv in (sessions, samplers):
+                assert not await _kv_has(kv, "abandoned") and await _kv_has(kv, "in-use")
+        finally:
+            await nc.close()
+
+
+async def _kv_has(kv, key: str) -> bool:
+    try:
+        return (await kv.get(key)).value is not None
+    except NotFoundError:
+        return False

@@ -21,7 +21,11 @@ import httpx
 import psutil
 import pytest
 
+from loopline.common.contracts import subjects, tinker_names
+from loopline.common.contracts.tinker_schemas import TinkerSampler
 from loopline.common.local import launcher
+from loopline.common.runtime.tinker_store import TinkerStore
+from support.bus_view import BusView
 from support.gateway_process import BASE_MODEL, start_gateway
 
 MiB = 1024 * 1024
@@ -33,6 +37,8 @@ MAX_LIST = 100
 MAX_STREAMS = 2
 MAX_BODY = 1 * MiB
 MAX_UPLOAD = 128 * MiB
+MAX_SESSIONS = 3
+SESSIONS_TTL_S = 600
 # What one refused request may add to the gateway's peak RSS: a few blocks of a stream and the
 # request's own objects. Unbounded, each of these requests cost 100 MB or more (noted per test).
 RSS_BOUND = 40 * MiB
@@ -46,7 +52,9 @@ def gateway(nats_proc, tmp_path_factory):
         LOOPLINE_MAX_UPLOAD_CHUNKS=str(MAX_CHUNKS), LOOPLINE_MAX_DATASET_LINE_BYTES=str(MAX_LINE),
         LOOPLINE_MAX_LIST_LIMIT=str(MAX_LIST), LOOPLINE_MAX_STREAMS_PER_KEY=str(MAX_STREAMS),
         LOOPLINE_MAX_BODY_BYTES=str(MAX_BODY), LOOPLINE_MAX_UPLOAD_BYTES=str(MAX_UPLOAD),
-        LOOPLINE_MAX_DATASET_BYTES=str(1024 * MiB), LOOPLINE_MAX_CHUNK_BYTES=str(8 * MiB))
+        LOOPLINE_MAX_DATASET_BYTES=str(1024 * MiB), LOOPLINE_MAX_CHUNK_BYTES=str(8 * MiB),
+        LOOPLINE_MAX_TINKER_SESSIONS_PER_KEY=str(MAX_SESSIONS),
+        LOOPLINE_TINKER_SESSIONS_MAX_AGE_S=str(SESSIONS_TTL_S))
     yield gw
     launcher.stop(gw.proc)
 
@@ -273,3 +281,53 @@ def test_a_gzip_line_within_the_limit_is_not_refused_for_its_length(http):
     # No trainer runs here: the archive was read and accepted, then the trainer was asked (503/504).
     assert not names(resp, "LOOPLINE_MAX_DATASET_LINE_BYTES"), resp.text
     assert resp.status_code in (503, 504), resp.text
+
+
+# --- Tinker sessions and sampling sessions ----------------------------------------------------------
+SESSION_REQUEST = {"tags": [], "user_metadata": None, "sdk_version": "0"}
+
+
+def test_tinker_sessions_per_key_are_capped_and_their_buckets_expire(http, gateway, nats_proc):
+    """Before: any client could fill TINKER_SESSIONS and TINKER_SAMPLERS, one record per request,
+    kept forever. Now the buckets keep a record LOOPLINE_TINKER_SESSIONS_MAX_AGE_S past its last
+    write, and one key (here: one client address) creates at most MAX_SESSIONS within that time."""
+    created = [http.post("/api/v1/create_session", json=SESSION_REQUEST)
+               for _ in range(MAX_SESSIONS)]
+    assert [r.status_code for r in created] == [200] * MAX_SESSIONS, created[-1].text
+    refused = http.post("/api/v1/create_session", json=SESSION_REQUEST)
+    assert refused.status_code == 429, refused.text
+    assert names(refused, "LOOPLINE_MAX_TINKER_SESSIONS_PER_KEY")
+    assert f"limit is {MAX_SESSIONS}" in refused.text
+    assert 0 < int(refused.headers["retry-after"]) <= SESSIONS_TTL_S
+
+    async def ttls(nc):
+        js = nc.jetstream()
+        return [(await js.stream_info(f"KV_{bucket}")).config.max_age
+                for bucket in (subjects.TINKER_SESSIONS_BUCKET, subjects.TINKER_SAMPLERS_BUCKET)]
+
+    assert BusView(nats_proc.info["url"]).ask(ttls) == [SESSIONS_TTL_S, SESSIONS_TTL_S]
+
+
+def test_a_sampling_session_in_use_is_written_again_before_it_expires(http, nats_proc):
+    """A sampling session last written more than half the TTL ago is written again when it is used,
+    so the TTL takes only abandoned ones (the sample itself then fails here: no replica)."""
+    view = BusView(nats_proc.info["url"])
+    old = time.time() - SESSIONS_TTL_S * 0.75
+    sampler = TinkerSampler(sampling_session_id=tinker_names.new_id(), base_model=BASE_MODEL, created_at=old)
+
+    async def put(nc):
+        store = TinkerStore(nc.jetstream(), nc.max_payload)
+        await store.start()
+        await store.put_sampler(sampler)
+
+    async def read(nc):
+        store = TinkerStore(nc.jetstream(), nc.max_payload)
+        await store.start()
+        return await store.sampler(sampler.sampling_session_id)
+
+    view.ask(put)
+    body = {**sample_request(1), "sampling_session_id": sampler.sampling_session_id}
+    del body["base_model"]
+    http.post("/api/v1/asample", json=body)
+    written = view.ask(read)
+    assert written is not None and written.written > time.time() - 60, written

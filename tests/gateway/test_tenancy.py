@@ -6,19 +6,30 @@ never its status); ``latest`` is the caller's own latest; admin sees every job. 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 
 import httpx
 import pytest
+from nats.micro import add_service
 
+from loopline.common.contracts import subjects
 from loopline.common.contracts.job_layout import DATASET_FILE
+from loopline.common.contracts.job_schemas import AdapterEvent
+from loopline.common.contracts.schemas import DeploymentInfo, WorkItem
 from loopline.common.local import launcher
+from loopline.common.runtime import bus
 from loopline.gateway.auth.key_store import KeyEntry, KeyFile, key_hash, new_key, write_key_file
-from support.gateway_process import start_gateway
+from support.bus_view import BusView
+from support.gateway_process import BASE_MODEL, start_gateway
 from support.training_data import EXAMPLES, archive, jsonlines
 
 KEYS = {name: new_key() for name in ("a", "b", "infer", "boss")}
-SCOPES = {"a": ["training"], "b": ["training"], "infer": ["inference"], "boss": ["admin"]}
+# Two tenants that train and use their adapters, a key that only generates, and an admin.
+SCOPES = {"a": ["training", "inference"], "b": ["training", "inference"], "infer": ["inference"],
+          "boss": ["admin"]}
 # The stand-in "loads its model" this long before it writes anything: the job stays QUEUED.
 LOADING = {"standin_start_s": 120}
 UNKNOWN = "e" * 64
@@ -29,8 +40,9 @@ def keyed(nats_proc, trainer, tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "api_keys.json"
     write_key_file(path, KeyFile(keys=[KeyEntry(name=name, sha256=key_hash(key), scopes=SCOPES[name])
                                        for name, key in KEYS.items()]))
+    # A ScalarLM /v1/generate answers with its request ids after 1 s: no replica answers here.
     gw = start_gateway(nats_proc.info["url"], tmp_path_factory.mktemp("tenants"),
-                       LOOPLINE_API_KEYS_FILE=str(path))
+                       LOOPLINE_API_KEYS_FILE=str(path), LOOPLINE_RESPONSE_TIMEOUT_S="1")
     yield gw
     launcher.stop(gw.proc)
 
@@ -143,3 +155,98 @@ def test_without_keys_every_job_is_everyones(gateway, tmp_path):
         assert job in listed(two)
         assert submit(two, "keyless") == job  # same content, one job, as before keys
         assert two.post(f"/v1/megatron/cancel/{job[:12]}").status_code == 200
+
+
+# --- adapters: /v1/models, a request's `model`, `latest` ------------------------------------------
+
+@pytest.fixture(scope="module")
+def base_served(nats_proc):
+    """The gateway's base model served, as far as the gateway can tell: its MODELS entry, and a
+    replica answering the census ($SRV.PING of the inference service) for its deployment. No
+    engine behind it: these tests read listings and routing, not answers."""
+    stop = threading.Event()
+    ready = threading.Event()
+
+    async def replica() -> None:
+        nc = await bus.connect(nats_proc.info["url"], "test-replica")
+        js = nc.jetstream()
+        await bus.ensure_topology(js)
+        info = DeploymentInfo(model=BASE_MODEL, deployment="base", max_model_len=256, engine="vllm")
+        models = await js.key_value(subjects.MODELS_BUCKET)
+        await models.put(info.deployment, info.model_dump_json().encode())
+        await add_service(nc, name=subjects.INFERENCE_SERVICE, version="0.1.0",
+                          metadata={"deployment": info.deployment, "replica": "test-replica"})
+        ready.set()
+        await asyncio.to_thread(stop.wait)
+        await nc.close()
+
+    thread = threading.Thread(target=asyncio.run, args=(replica(),), daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    yield BASE_MODEL
+    stop.set()
+    thread.join(10)
+
+
+def load_adapter(nats_url: str, job: str) -> None:
+    """What a replica announces once it has loaded a checkpoint of ``job``."""
+    event = AdapterEvent(job_hash=job, kind="loaded", step=1, replica="test-replica", base_model=BASE_MODEL)
+
+    async def publish(nc) -> None:
+        await nc.jetstream().publish(subjects.adapter_event(job, "loaded"), event.model_dump_json().encode())
+
+    BusView(nats_url).ask(publish)
+
+
+def model_ids(http: httpx.Client) -> list[str]:
+    resp = http.get("/v1/models")
+    assert resp.status_code == 200, resp.text
+    return [model["id"] for model in resp.json()["data"]]
+
+
+def completion(http: httpx.Client, model: str) -> httpx.Response:
+    return http.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 1}, timeout=10)
+
+
+def test_models_and_adapters_are_the_keys_own(keyed, nats_proc, base_served, a, b, boss):
+    job_a, job_b = submit(a, "a-adapter"), submit(b, "b-adapter")
+    load_adapter(nats_proc.info["url"], job_b)
+    load_adapter(nats_proc.info["url"], job_a)  # loaded last: 'latest' of every tenant
+    with client(keyed, "infer") as infer:
+        deadline = time.monotonic() + 10
+        while job_a not in model_ids(boss) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert model_ids(boss)[0] == base_served and {job_a, job_b} <= set(model_ids(boss))
+        # An inference key owns no job: the base models only.
+        assert model_ids(infer) == [base_served]
+        unknown_model = as_unknown(completion(infer, UNKNOWN), UNKNOWN)
+        assert unknown_model[0] == 404
+        for http, mine, theirs in ((a, job_a, job_b), (b, job_b, job_a)):
+            ids = model_ids(http)
+            assert mine in ids and theirs not in ids and base_served in ids
+            assert as_unknown(completion(http, theirs), theirs) == unknown_model
+            assert as_unknown(generate(http, theirs), theirs) == as_unknown(generate(http, UNKNOWN), UNKNOWN)
+            assert routed_to(http, mine, nats_proc.info["url"]) == mine
+        # 'latest' is the caller's own: b's, though a's adapter was loaded after it.
+        assert routed_to(b, "latest", nats_proc.info["url"]) == job_b
+        assert routed_to(a, "latest", nats_proc.info["url"]) == job_a
+        assert routed_to(boss, "latest", nats_proc.info["url"]) == job_a
+        latest = generate(infer, "latest")
+        assert latest.status_code == 404 and "no training job has a deployed adapter" in latest.text
+
+
+def generate(http: httpx.Client, model: str) -> httpx.Response:
+    return http.post("/v1/generate", json={"prompts": [f"tenancy {time.monotonic()}"], "model": model,
+                                           "max_tokens": 1})
+
+
+def routed_to(http: httpx.Client, model: str, nats_url: str) -> str | None:
+    """The adapter a ScalarLM request naming ``model`` was queued with: read from the WORK stream."""
+    resp = generate(http, model)
+    assert resp.status_code == 200, resp.text
+
+    async def last_item(nc) -> WorkItem:
+        msg = await nc.jetstream().get_last_msg(subjects.WORK_STREAM, subjects.work("base"))
+        return WorkItem.model_validate_json(msg.data)
+
+    return BusView(nats_url).ask(last_item).adapter

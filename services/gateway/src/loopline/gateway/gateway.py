@@ -18,6 +18,7 @@ from loopline.gateway.core.adapters import AdapterRegistry
 from loopline.gateway.core.admission import Admission
 from loopline.gateway.core.answers import Answers
 from loopline.gateway.core.event_streams import StreamSlots
+from loopline.gateway.core.limits import WindowQuota
 from loopline.gateway.core.model_directory import ModelDirectory
 from loopline.gateway.core.results import Results
 from loopline.gateway.core.service_calls import ServiceCalls
@@ -42,6 +43,10 @@ class Gateway:
         self.answers = Answers(nc)  # this gateway's answers.<id>.* subscription
         self.tinker = TinkerPart(nc, js, self.models)  # Tinker sessions, calls, futures
         self.streams = StreamSlots(settings.max_streams_per_key)  # open event streams per key
+        # Tinker sessions and sampling sessions created per key (their buckets' TTL is the window)
+        self.session_quota = WindowQuota(settings.max_tinker_sessions_per_key,
+                                         settings.tinker_sessions_max_age_s, "max_tinker_sessions_per_key",
+                                         "Tinker sessions and sampling sessions")
         self.js = js
 
     async def start(self) -> None:

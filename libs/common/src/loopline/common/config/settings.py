@@ -69,6 +69,11 @@ class CommonSettings(BaseSettings):
         "How long the `adapters` object store keeps a checkpoint (0: forever). A replica started "
         "later downloads each job's latest from there, so by default it stays while its job exists; "
         "deleting the job purges it."))
+    # A session is written again at every heartbeat (the SDK sends one every few seconds while its
+    # client lives), a sampling session when it is used: only abandoned ones go.
+    tinker_sessions_max_age_s: float = Field(default=24 * 3600, gt=0, description=(
+        "How long the `TINKER_SESSIONS` and `TINKER_SAMPLERS` buckets keep a Tinker session or "
+        "sampling session after it was last heartbeated or used; then it is gone (410/404)."))
 
     @property
     def models_dir(self) -> Path:
@@ -106,6 +111,11 @@ class GatewaySettings(CommonSettings):
         "More `request_ids` in one `/v1/generate/get_results` get 413."))
     max_list_limit: int = Field(default=1000, ge=1, description=(
         "The largest `limit` of a list route (Tinker's training runs and sessions); more gets 400."))
+    # Counted per gateway, over LOOPLINE_TINKER_SESSIONS_MAX_AGE_S: with that TTL it bounds what
+    # one key keeps in the buckets. An RL loop makes a sampling session per saved step.
+    max_tinker_sessions_per_key: int = Field(default=10_000, ge=1, description=(
+        "How many Tinker sessions and sampling sessions one API key (or one client address without "
+        "keys) may create at one gateway within `LOOPLINE_TINKER_SESSIONS_MAX_AGE_S`; more get 429."))
     max_streams_per_key: int = Field(default=16, ge=1, description=(
         "How many event streams (SSE: training events, logs) one API key, or one client address "
         "without keys, may hold open at once; one more gets 429."))

@@ -137,6 +137,13 @@ class TinkerSampler(BaseModel):
     model_path: str | None = None  # the tinker path it was made from
     step: int | None = None
     created_at: float = Field(default_factory=time.time)
+    # When it was last written: a sampling session in use is written again now and then, so that
+    # its bucket's TTL (LOOPLINE_TINKER_SESSIONS_MAX_AGE_S) takes only abandoned ones.
+    written_at: float | None = None  # None: when created
+
+    @property
+    def written(self) -> float:
+        return self.written_at or self.created_at
 
 
 class TinkerCheckpoint(BaseModel):

@@ -123,18 +123,43 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
         await js.update_stream(config)
 
 
+async def ensure_key_value_ttl(js: JetStreamContext, bucket: str, ttl_s: float) -> None:
+    """The KV bucket ``bucket`` (history 1) with each key kept ``ttl_s`` past its last put; an
+    existing one is brought to that TTL (its stream's max age)."""
+    stream = f"KV_{bucket}"
+    try:
+        info = await js.stream_info(stream)
+    except NotFoundError:
+        await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s,
+                                                 storage=StorageType.FILE))
+        return
+    if abs((info.config.max_age or 0) - ttl_s) > 1e-3:
+        info.config.max_age = ttl_s
+        if (info.config.duplicate_window or 0) > ttl_s:
+            info.config.duplicate_window = ttl_s  # the server refuses a window past the max age
+        try:
+            await js.update_stream(info.config)
+        except (APIError, TimeoutError, NatsTimeoutError, NoRespondersError) as exc:
+            # As ensure_object_store: a credential that may not update streams leaves the old TTL.
+            log.error("could not set the %s bucket's TTL to %g s (%s): it keeps %g s until a role "
+                      "allowed to update streams applies it", bucket, ttl_s, exc, info.config.max_age or 0)
+
+
 @dataclass(frozen=True)
 class Retention:
-    """How long NATS keeps results, datasets and adapters: CommonSettings' ``*_max_age_s`` (their
+    """How long NATS keeps results, datasets, adapters and Tinker sessions: CommonSettings'
+    ``*_max_age_s`` (their
     descriptions say what each covers and why its default is safe); 0 keeps forever."""
 
     results_max_age_s: float
     datasets_max_age_s: float
     adapters_max_age_s: float
+    tinker_sessions_max_age_s: float = 24 * 3600
 
     @classmethod
     def of(cls, settings: CommonSettings) -> Retention:
-        return cls(settings.results_max_age_s, settings.datasets_max_age_s, settings.adapters_max_age_s)
+        return cls(settings.results_max_age_s, settings.datasets_max_age_s, settings.adapters_max_age_s,
+                   settings.tinker_sessions_max_age_s)
 
 
 async def ensure_object_store(js: JetStreamContext, bucket: str, ttl_s: float) -> None:
@@ -245,13 +270,14 @@ async def ensure_topology(js: JetStreamContext, *, max_work_msgs: int = 1_000_00
             duplicate_window=DEDUPE_WINDOW_S,
         ),
     )
-    await ensure_tinker_topology(js)
+    await ensure_tinker_topology(js, retention.tinker_sessions_max_age_s)
     await ensure_object_store(js, subjects.DATASETS_BUCKET, retention.datasets_max_age_s)
     await ensure_object_store(js, subjects.ADAPTERS_BUCKET, retention.adapters_max_age_s)
 
 
-async def ensure_tinker_topology(js: JetStreamContext) -> None:
-    """The Tinker API's streams and buckets (subjects.py says what each holds)."""
+async def ensure_tinker_topology(js: JetStreamContext, sessions_max_age_s: float = 24 * 3600) -> None:
+    """The Tinker API's streams and buckets (subjects.py says what each holds); sessions and
+    sampling sessions live ``sessions_max_age_s`` past their last write."""
     await _ensure_stream(
         js,
         StreamConfig(
@@ -279,13 +305,15 @@ async def ensure_tinker_topology(js: JetStreamContext) -> None:
             allow_direct=True,
         ),
     )
-    for bucket in (subjects.TINKER_SESSIONS_BUCKET, subjects.TINKER_MODELS_BUCKET,
-                   subjects.TINKER_WORKERS_BUCKET, subjects.TINKER_SAMPLERS_BUCKET,
+    for bucket in (subjects.TINKER_MODELS_BUCKET, subjects.TINKER_WORKERS_BUCKET,
                    subjects.TINKER_CHECKPOINTS_BUCKET):
         try:
             await js.key_value(bucket)
         except NotFoundError:
             await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, storage=StorageType.FILE))
+    for bucket in (subjects.TINKER_SESSIONS_BUCKET, subjects.TINKER_SAMPLERS_BUCKET):
+        # Once unbounded: any client could fill them, one small record per request.
+        await ensure_key_value_ttl(js, bucket, sessions_max_age_s)
     try:
         await js.object_store(subjects.TINKER_BLOBS_BUCKET)
     except Exception:  # noqa: BLE001 - nats-py raises several kinds for "no such bucket"

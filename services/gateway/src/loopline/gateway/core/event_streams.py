@@ -23,8 +23,7 @@ from nats.js import JetStreamContext
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
-from loopline.gateway.auth.api_keys import api_key_of
-from loopline.gateway.core.limits import over_limit
+from loopline.gateway.core.limits import holder_of, over_limit
 
 log = logging.getLogger(__name__)
 
@@ -97,17 +96,10 @@ class StreamSlots:
         self.limit = limit
         self.open: dict[str, int] = {}
 
-    @staticmethod
-    def holder(request: Request) -> str:
-        key = api_key_of(request)
-        if key is not None:
-            return f"key {key.name!r}"
-        return f"client {request.client.host if request.client else 'unknown'}"
-
     def take(self, request: Request) -> Callable[[], None]:
         """One slot of the request's holder, or a 429; returns what gives it back (once, however
         often it is called)."""
-        holder = self.holder(request)
+        holder = holder_of(request)
         held = self.open.get(holder, 0)
         if held >= self.limit:
             raise over_limit(429, f"{holder} holds {held} open event streams; close one first", self.limit,

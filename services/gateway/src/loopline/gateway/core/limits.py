@@ -8,6 +8,13 @@ the gateway allocate in proportion to a number it picked.
 
 from __future__ import annotations
 
+import math
+import time
+from collections import deque
+
+from fastapi import Request
+
+from loopline.gateway.auth.api_keys import api_key_of
 from loopline.gateway.core.errors import ApiError
 
 
@@ -41,3 +48,35 @@ def check_page(limit: int, offset: int, max_limit: int) -> None:
     if limit > max_limit:
         raise over_limit(400, f"limit={limit} is too many entries for one page", max_limit, "max_list_limit",
                          param="limit")
+
+
+def holder_of(request: Request) -> str:
+    """Who a per-key limit counts a request against: its API key, or without keys its client's
+    address (one user's machine under `make up`; behind a proxy, the proxy: one count for all)."""
+    key = api_key_of(request)
+    if key is not None:
+        return f"key {key.name!r}"
+    return f"client {request.client.host if request.client else 'unknown'}"
+
+
+class WindowQuota:
+    """At most ``limit`` creations per holder within ``window_s``, counted at this gateway: with a
+    TTL of ``window_s`` on what is created, it bounds what one holder keeps (per gateway)."""
+
+    def __init__(self, limit: int, window_s: float, field: str, what: str):
+        self.limit, self.window_s, self.field, self.what = limit, window_s, field, what
+        self.times: dict[str, deque[float]] = {}
+
+    def take(self, request: Request) -> None:
+        holder = holder_of(request)
+        now = time.monotonic()
+        times = self.times.setdefault(holder, deque())
+        while times and now - times[0] > self.window_s:
+            times.popleft()
+        if len(times) >= self.limit:
+            retry = math.ceil(self.window_s - (now - times[0]))
+            error = over_limit(429, f"{holder} created {len(times)} {self.what} in the last "
+                                    f"{self.window_s:g} s", self.limit, self.field)
+            error.headers["Retry-After"] = str(max(retry, 1))
+            raise error
+        times.append(now)

@@ -28,11 +28,13 @@ from nats.js.kv import KeyValue
 
 from loopline.common.contracts import subjects
 from loopline.common.contracts.job_hash import is_job_hash
+from loopline.common.contracts.job_schemas import OwnerFilter
 from loopline.common.contracts.schemas import DeploymentInfo
 from loopline.common.runtime import bus
 from loopline.common.runtime.service import pause
 from loopline.gateway.core.adapters import AdapterRegistry, ServedAdapter
 from loopline.gateway.core.errors import ApiError
+from loopline.gateway.core.job_owners import JobOwners
 from loopline.gateway.core.trainer_client import TrainerClient
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,7 @@ class ModelDirectory:
         self.default_model = default_model  # what a request that names no model gets
         self.adapters = adapters
         self.trainer = trainer
+        self.owners = JobOwners(trainer)  # whose each adapter is (a tenant sees its own)
         self.census = census
         self.grace_s = grace_s  # a deployment with no replica for this long is answered 503
         # model name -> its deployment, as of the last successful read of the bucket.
@@ -172,9 +175,17 @@ class ModelDirectory:
                 log.debug("model refresh failed: %s", exc)
             await self.take_census()
 
-    async def resolve(self, name: str | None) -> Route:
+    async def visible_adapters(self, tenant: OwnerFilter) -> list[ServedAdapter]:
+        """The deployed adapters a request of ``tenant`` may see and use (auth/tenancy.py), in the
+        order they were first loaded."""
+        return [adapter for adapter in sorted(self.adapters.served.values(), key=lambda a: a.first_loaded_at)
+                if await self.owners.visible(tenant, adapter.job_hash)]
+
+    async def resolve(self, name: str | None, tenant: OwnerFilter = None) -> Route:
         """Where ``model`` goes: a served model by name (``None``: the default model), a job hash
-        (its newest loaded adapter on the job's base model) or ``latest`` (the job loaded last)."""
+        (its newest loaded adapter on the job's base model) or ``latest`` (the job loaded last).
+        Adapters are ``tenant``'s own (auth/tenancy.py): another key's job hash is answered as an
+        unknown model, and ``latest`` is the tenant's latest."""
         name = name or self.default_model
         # A deployed job hash is not a model name: no need to re-read the models for it.
         if name not in self.served and not self.adapters.deployed(name):
@@ -185,14 +196,19 @@ class ModelDirectory:
         if name == self.default_model and len(listed) == 1:
             return Route(listed[0], name)
         if name == "latest":
-            adapter = self.adapters.latest({info.model for info in listed} or set(self.served))
+            bases = {info.model for info in listed} or set(self.served)
+            adapter = max((a for a in await self.visible_adapters(tenant) if a.base_model in bases),
+                          key=lambda a: a.first_loaded_at, default=None)
         else:
             adapter = await self.adapters.find(name)
+            if adapter is not None and not await self.owners.visible(tenant, name):
+                adapter = None
         if adapter is not None and adapter.base_model in self.served:
             base = self.served[adapter.base_model]
             return await self._alive(Route(base, adapter.job_hash, adapter.job_hash, adapter.step))
         # vLLM's own type for an unknown model, so clients that match on it behave as with vllm serve.
-        raise ApiError(404, await self._not_served(name, adapter), param="model", type="NotFoundError")
+        why = await self._not_served(name, adapter, tenant)
+        raise ApiError(404, why, param="model", type="NotFoundError")
 
     async def _alive(self, route: Route) -> Route:
         """``route``, unless no replica has served its deployment for the grace period: then a 503
@@ -208,18 +224,19 @@ class ModelDirectory:
                 param="model", headers={"Retry-After": str(UNSERVED_RETRY_AFTER_S)})
         return route
 
-    async def _not_served(self, name: str, adapter: ServedAdapter | None) -> str:
-        """Why ``name`` is not servable, as precisely as we can tell (this is the error path)."""
+    async def _not_served(self, name: str, adapter: ServedAdapter | None, tenant: OwnerFilter) -> str:
+        """Why ``name`` is not servable, as precisely as we can tell (this is the error path); of
+        another tenant's job, no more than of a name nobody uses."""
         if adapter is not None:
             return f"job {name} adapts {adapter.base_model!r}, which no inference replica serves now"
         if name == "latest":
             return "no training job has a deployed adapter yet"
         known = ", ".join(sorted(info.model for info in self.listed())) or "none now"
-        if name in self.adapters.rejected:
+        if name in self.adapters.rejected and await self.owners.visible(tenant, name):
             return f"job {name} is not deployed: {self.adapters.rejected[name]}"
         if is_job_hash(name):
             try:
-                job = await self.trainer.get(name, timeout_s=JOB_LOOKUP_TIMEOUT_S)
+                job = await self.trainer.get(name, tenant, timeout_s=JOB_LOOKUP_TIMEOUT_S)
             except ApiError:  # unknown job (404), trainer down or slow: not a job we know
                 job = None
             if job is not None:

@@ -23,6 +23,7 @@ from nats.aio.subscription import Subscription
 from loopline.common.contracts import subjects
 from loopline.common.contracts.schemas import QUEUED_ROUTES, ResultItem, WorkItem
 from loopline.gateway.auth.scopes import INFERENCE
+from loopline.gateway.auth.tenancy import tenant_of
 from loopline.gateway.core.answers import Answers
 from loopline.gateway.core.arrivals import Arrivals
 from loopline.gateway.core.errors import ApiError
@@ -45,7 +46,7 @@ SSE = "text/event-stream; charset=utf-8"
 async def list_models(request: Request):
     """The served models (those a replica answers for now), then their deployed adapters (as vLLM
     lists LoRA modules: ``parent`` is the base model, and the id is what to put in ``model``: the
-    job hash)."""
+    job hash): the key's own (auth/tenancy.py)."""
     gateway = gateway_of(request)
     served = {info.model: info for info in await gateway.models.refresh_listing()}
     data: list[dict[str, Any]] = [
@@ -54,7 +55,7 @@ async def list_models(request: Request):
          "tasks": info.tasks}
         for info in served.values()
     ]
-    for adapter in sorted(gateway.adapters.served.values(), key=lambda a: a.first_loaded_at):
+    for adapter in await gateway.models.visible_adapters(tenant_of(request)):
         base = served.get(adapter.base_model)
         if base is not None:
             data.append({"id": adapter.job_hash, "object": "model", "created": int(adapter.first_loaded_at),
@@ -82,7 +83,7 @@ async def relay(request: Request):
     for count in ("n", "best_of"):  # each sample is held whole on its way back through the gateway
         check_count(body.get(count), gateway.settings.max_samples_per_request, "max_samples_per_request",
                     count)
-    route = await gateway.models.resolve(model if isinstance(model, str) else None)
+    route = await gateway.models.resolve(model if isinstance(model, str) else None, tenant_of(request))
     if isinstance(model, str) and route.adapter is None and model != route.info.model:
         # The default model's other name: vLLM knows the deployment by its served name only.
         body["model"] = route.info.model

@@ -28,6 +28,7 @@ from loopline.common.contracts.schemas import (
     WorkItem,
 )
 from loopline.gateway.auth.scopes import ADMIN, INFERENCE
+from loopline.gateway.auth.tenancy import tenant_of
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.limits import over_limit
 from loopline.gateway.core.route_spec import BUS, FIELDS, FULL, MODEL, NOT_JSON, QUEUE, declare
@@ -141,7 +142,7 @@ async def generate(body: GenerateRequest, request: Request):
         # vLLM takes tools on chat completions only; dropping them would answer in prose.
         raise ApiError(400, "tools and tool_choice need chat prompts ({\"messages\": [...]}), not text",
                        param="tools")
-    route = await gateway.models.resolve(body.model)
+    route = await gateway.models.resolve(body.model, tenant_of(request))
     max_tokens = body.max_tokens or settings.default_max_tokens
     key = {"prompts": body.prompts, "model": route.model, "max_tokens": max_tokens,
            "temperature": body.temperature, **tools}
@@ -199,7 +200,7 @@ async def upload(file: UploadFile, request: Request):
         routes = {}
         counts: dict[str, int] = {}
         for model, named in models.items():
-            route = await gateway.models.resolve(model)
+            route = await gateway.models.resolve(model, tenant_of(request))
             check_max_tokens(route, named.longest)
             routes[model] = route
             counts[route.deployment] = counts.get(route.deployment, 0) + named.count

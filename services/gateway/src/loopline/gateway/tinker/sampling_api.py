@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -29,7 +30,7 @@ from loopline.gateway.core.submit import fresh_group, request_id, split_request_
 from loopline.gateway.gateway import Gateway, gateway_of
 from loopline.gateway.tinker.bodies import parse
 from loopline.gateway.tinker.sampling import TinkerUserError, completion_body, sample_response
-from loopline.gateway.tinker.statuses import BODY
+from loopline.gateway.tinker.statuses import BODY, QUOTA
 
 router = APIRouter(prefix="/api/v1")
 
@@ -61,11 +62,12 @@ async def _sampler_of(gateway: Gateway, path: str | None, base_model: str | None
 
 
 @router.post("/create_sampling_session", **declare(INFERENCE, {
-    400: f"{BODY}; not a sampler_weights path", 404: "no such checkpoint or base model"}))
+    400: f"{BODY}; not a sampler_weights path", 404: "no such checkpoint or base model", 429: QUOTA}))
 async def create_sampling_session(request: Request) -> dict[str, Any]:
     body = await parse(request, tt.CreateSamplingSessionRequest)
     gateway = gateway_of(request)
     sampler = await _sampler_of(gateway, body.model_path, body.base_model, tinker_names.new_id())
+    gateway.session_quota.take(request)  # after the checks: a refused request creates nothing
     await gateway.tinker.store.put_sampler(sampler)
     return {"sampling_session_id": sampler.sampling_session_id, "type": "create_sampling_session"}
 
@@ -97,6 +99,10 @@ async def asample(request: Request) -> dict[str, Any]:
             raise ApiError(404, f"no sampling session {body.sampling_session_id!r}",
                            param="sampling_session_id")
         sampler = found
+        if time.time() - sampler.written > gateway.settings.tinker_sessions_max_age_s / 2:
+            # In use: written again, so that its bucket's TTL takes only abandoned ones.
+            sampler.written_at = time.time()
+            await gateway.tinker.store.put_sampler(sampler)
     else:
         sampler = await _sampler_of(gateway, body.model_path, body.base_model, "")
     route = await gateway.models.resolve(sampler.base_model)

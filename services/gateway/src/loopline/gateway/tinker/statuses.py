@@ -8,3 +8,6 @@ MODEL = "no such training client (model_id)"
 CALL = {400: BODY, 404: MODEL, 429: "the Tinker call queue is full: retry later",
         503: "the message bus did not take the call: retry"}
 SESSION = {410: "no such session (the SDK stops its heartbeat)"}
+QUOTA = ("this key (or client address, without keys) created `LOOPLINE_MAX_TINKER_SESSIONS_PER_KEY` "
+         "sessions and sampling sessions within `LOOPLINE_TINKER_SESSIONS_MAX_AGE_S` at this gateway: "
+         "retry after `Retry-After`; or the key is over its request rate or queue share")

@@ -35,7 +35,7 @@ from loopline.gateway.gateway import gateway_of
 from loopline.gateway.tinker import proto
 from loopline.gateway.tinker.bodies import json_object, parse
 from loopline.gateway.tinker.sampling_api import wait_sample
-from loopline.gateway.tinker.statuses import BODY, CALL, MODEL, SESSION
+from loopline.gateway.tinker.statuses import BODY, CALL, MODEL, QUOTA, SESSION
 
 router = APIRouter(prefix="/api/v1")
 
@@ -53,9 +53,10 @@ async def client_config() -> dict[str, Any]:
     return {}
 
 
-@router.post("/create_session", **declare(ANY_KEY, {400: BODY}))
+@router.post("/create_session", **declare(ANY_KEY, {400: BODY, 429: QUOTA}))
 async def create_session(request: Request) -> dict[str, Any]:
     body = await parse(request, tt.CreateSessionRequest)
+    gateway_of(request).session_quota.take(request)
     session = TinkerSession(session_id=tinker_names.new_id(), tags=body.tags,
                             user_metadata={k: str(v) for k, v in (body.user_metadata or {}).items()})
     await gateway_of(request).tinker.store.put_session(session)
