@@ -331,3 +331,37 @@ def test_a_sampling_session_in_use_is_written_again_before_it_expires(http, nats
     http.post("/api/v1/asample", json=body)
     written = view.ask(read)
     assert written is not None and written.written > time.time() - 60, written
+
+
+def test_with_keys_open_event_streams_are_counted_per_key(nats_proc, tmp_path_factory):
+    """With keys, the holder is the key: one key at its limit is refused, another on the same
+    address is not."""
+    keys = ["key-one-" + "x" * 24, "key-two-" + "y" * 24]
+    gw = start_gateway(nats_proc.info["url"], tmp_path_factory.mktemp("keyed"),
+                       LOOPLINE_API_KEYS=",".join(keys), LOOPLINE_MAX_STREAMS_PER_KEY="1")
+    close = threading.Event()
+    ready = threading.Event()
+
+    def hold() -> None:
+        with httpx.stream("GET", f"{gw.url}/v1/megatron/events", timeout=30,
+                          headers={"Authorization": f"Bearer {keys[0]}"}) as stream:
+            assert stream.status_code == 200
+            ready.set()
+            close.wait(30)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        assert ready.wait(10)
+        refused = httpx.get(f"{gw.url}/v1/megatron/events", timeout=10,
+                            headers={"Authorization": f"Bearer {keys[0]}"})
+        assert refused.status_code == 429 and names(refused, "LOOPLINE_MAX_STREAMS_PER_KEY"), refused.text
+        assert "key 'LOOPLINE_API_KEYS#" in refused.text  # the key's name, never the key
+        assert keys[0] not in refused.text
+        with httpx.stream("GET", f"{gw.url}/v1/megatron/events", timeout=10,
+                          headers={"Authorization": f"Bearer {keys[1]}"}) as other:
+            assert other.status_code == 200
+    finally:
+        close.set()
+        holder.join(10)
+        launcher.stop(gw.proc)
