@@ -50,6 +50,16 @@ def test_every_service_of_the_stack_is_there(compose_stacks):
 
 
 @pytest.mark.parametrize("stack", sorted(COMPOSE_STACKS))
+def test_inference_replicas_restart_when_they_exit(compose_stacks, stack):
+    """A replica whose vLLM engine died exits 1; Compose must start it again."""
+    replicas = {name: service for name, service in compose_stacks[stack]["services"].items()
+                if name.startswith("inference")}
+    assert replicas
+    for name, service in replicas.items():
+        assert service.get("restart") in ("always", "unless-stopped", "on-failure"), name
+
+
+@pytest.mark.parametrize("stack", sorted(COMPOSE_STACKS))
 def test_built_images_are_dockerfile_targets(compose_stacks, stack):
     stages = dockerfile_stages(DOCKERFILE.read_text())
     for name, service in compose_stacks[stack]["services"].items():

@@ -147,6 +147,23 @@ def test_gpu_values_ask_for_gpus_and_replicas(charts):
     assert "demo-loopline-postgres" not in _objects(chart, "StatefulSet")
 
 
+@pytest.mark.parametrize("name", sorted(CHART_VALUES))
+def test_inference_replicas_are_restarted_when_they_exit_or_hang(charts, name):
+    """A replica whose vLLM engine died exits 1: its pod's container restarts (restartPolicy
+    Always, the default). One that hangs fails the liveness probe (``--live``: only when NATS
+    answers and it does not), which waits for the startup probe's first success (loading)."""
+    replicas = [d for n, d in _objects(charts[name], "Deployment").items() if "inference" in n]
+    assert replicas
+    for deployment in replicas:
+        pod = _pod_spec(deployment)
+        assert pod.get("restartPolicy", "Always") == "Always"
+        container = next(c for c in pod["containers"] if c["name"] == "inference")
+        live, startup = container["livenessProbe"], container["startupProbe"]
+        assert live["exec"]["command"] == ["loopline-healthcheck", "--live", "inference"]
+        assert startup["exec"]["command"] == ["loopline-healthcheck", "inference"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600  # an hour to load
+
+
 @pytest.mark.parametrize(("name", "expected"), [
     ("chart-defaults", "port-forward service/demo-loopline-gateway"),
     ("chart-gpu", "LOOPLINE_URL=https://loopline.example.com"),
