@@ -8,7 +8,8 @@ module's trainer, tests/gateway/conftest.py), with a real queue service and a de
 every one of these would do its harm if let through (and does, from the gateway's own origin: the
 same requests from a page of the gateway's origin are the control). Asserted: the browser sent all
 three, the gateway answered each 403 (its own count), no job exists, the marker was not written,
-the queue kept what it held, and no completion was queued."""
+the queue kept what it held, and no completion was queued; and a page that reaches the gateway by
+a name of its own resolving to 127.0.0.1 (DNS rebinding) is refused as well."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from support.scrape import scrape, value
 from support.training_data import EXAMPLES, archive, jsonlines
 
 EVIL = "evil.example"
+REBOUND = "rebound.example"  # the attacker's name, made to resolve to 127.0.0.1
 DEPLOYMENT = "cross-site-dep"
 ATTACKS = {"train": "/v1/megatron/train", "clear_queue": "/v1/generate/clear_queue",
            "completion": "/v1/completions"}
@@ -172,7 +174,7 @@ def test_a_page_of_another_site_can_neither_train_nor_clear_nor_infer(
         chromium, make_up_gateway, trainer, nats_proc, evil_site, tmp_path):
     gateway, nats_url = make_up_gateway.url, nats_proc.info["url"]
     cross_marker, own_marker = tmp_path / "cross-site-marker", tmp_path / "same-origin-marker"
-    with Browser(tmp_path / "browser", resolve={EVIL: "127.0.0.1"}) as browser:
+    with Browser(tmp_path / "browser", resolve={EVIL: "127.0.0.1", REBOUND: "127.0.0.1"}) as browser:
         # A page of the gateway's own origin queues a completion: no replica serves it, it waits.
         own = browser.page()
         own.open(f"{gateway}/v1/health/keepalive")
@@ -194,6 +196,14 @@ def test_a_page_of_another_site_can_neither_train_nor_clear_nor_infer(
         added = {name: n - refused_before[name] for name, n in refused(gateway).items()}
         assert added == dict.fromkeys(ATTACKS, 1), added  # the gateway refused each one itself
         assert work_queued(nats_url) == 1  # no completion queued beside the one already waiting
+
+        # DNS rebinding: a name of the attacker's resolving to 127.0.0.1 makes the gateway the page's
+        # own origin to the browser (it can even read the answer); the gateway knows its names.
+        rebound = browser.page()
+        rebound.open(f"http://{REBOUND}:{gateway.rpartition(':')[2]}/v1/health/keepalive")
+        answer = rebound.evaluate('fetch("/v1/generate/clear_queue", {method: "POST"})'
+                                  '.then(async r => [r.status, (await r.json()).detail])')
+        assert answer[0] == 403 and "DNS rebinding" in answer[1], answer
 
         # From the gateway's own origin the same requests work: the queue still holds its one
         # completion (the cross-site clear cleared nothing), which the clear now cancels (410) ...

@@ -4,7 +4,8 @@ Gateway on a real nats-server, asked through httpx's ASGI transport as a browser
 
 A state-changing request a browser page of another origin sends is refused with 403 in its route's
 error shape, naming why and ``LOOPLINE_ALLOWED_ORIGINS``, before its key is looked at or its body
-read; the gateway's own pages, the allowed origins, safe methods and header-less clients pass.
+read; the gateway's own pages, the allowed origins, safe methods and header-less clients pass. A
+gateway on a loopback address refuses a page that reached it by another name (DNS rebinding).
 (tests/gateway/test_cross_site_browser.py sends the same from a real Chromium.)"""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 from loopline.common.config.settings import GatewaySettings
 from loopline.gateway.app import create_app
-from loopline.gateway.auth.same_origin import normalize_origin
+from loopline.gateway.auth.same_origin import is_loopback_name, normalize_origin
 from loopline.gateway.gateway import Gateway
 
 OWN = "http://127.0.0.1:8000"  # the base URL the client asks: the gateway's own origin
@@ -31,8 +32,8 @@ ROUTE = "/api/v1/client/config"
 def gateway_client(nc, tmp_path) -> Callable:
     @asynccontextmanager
     async def client(**settings: object) -> AsyncIterator[httpx.AsyncClient]:
-        config = GatewaySettings(nats_url="nats://unused", state_dir=tmp_path,
-                                 allowed_origins=f"{TRUSTED}, http://localhost:3000/", **settings)
+        settings.setdefault("allowed_origins", f"{TRUSTED}, http://localhost:3000/")
+        config = GatewaySettings(nats_url="nats://unused", state_dir=tmp_path, **settings)
         gateway = Gateway(nc, nc.jetstream(), config)
         await gateway.start()
         try:
@@ -90,6 +91,25 @@ async def test_state_changing_requests_from_other_origins_are_refused(gateway_cl
                 assert f"Sec-Fetch-Site: {site}" in detail, (case, detail)
 
 
+async def test_a_loopback_gateway_reached_by_another_name_is_refused(gateway_client):
+    # DNS rebinding: evil.example made to resolve to 127.0.0.1, so the browser takes the gateway
+    # for the page's own origin (Origin and Host agree, Sec-Fetch-Site says same-origin).
+    rebound = {"Host": "evil.example:8000", "Origin": "http://evil.example:8000",
+               "Sec-Fetch-Site": "same-origin"}
+    async with gateway_client() as http:  # listens on 127.0.0.1, as make up's
+        resp = await http.post(ROUTE, headers=rebound)
+        assert resp.status_code == 403 and "DNS rebinding" in resp.json()["detail"], resp.text
+        for name in ("localhost:8000", "app.localhost:8000", "127.0.0.2:8000", "[::1]:8000", "127.0.0.1"):
+            own = {"Host": name, "Origin": f"http://{name}", "Sec-Fetch-Site": "same-origin"}
+            assert (await http.post(ROUTE, headers=own)).json() == {}, name
+        # A client that is not a browser may use any name (an /etc/hosts alias).
+        assert (await http.post(ROUTE, headers={"Host": "evil.example:8000"})).json() == {}
+    async with gateway_client(allowed_origins="http://evil.example:8000") as http:  # trusted, then
+        assert (await http.post(ROUTE, headers=rebound)).json() == {}
+    async with gateway_client(host="0.0.0.0") as http:  # a served name's own pages
+        assert (await http.post(ROUTE, headers=rebound)).json() == {}
+
+
 async def test_safe_methods_are_not_refused(gateway_client):
     async with gateway_client() as http:
         evil = {"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"}
@@ -125,6 +145,13 @@ async def test_the_refusal_comes_before_the_key_and_the_body(gateway_client):
         big = b"x" * 4096
         assert (await http.post(ROUTE, headers={**evil, **keyed}, content=big)).status_code == 403
         assert (await http.post(ROUTE, headers=keyed, content=big)).status_code == 413
+
+
+def test_loopback_names():
+    assert all(map(is_loopback_name, ["localhost", "LOCALHOST:80", "a.localhost:1", "127.0.0.1:8000",
+                                      "127.1.2.3", "[::1]:8000", "::1"]))
+    assert not any(map(is_loopback_name, ["evil.example:8000", "localhost.evil.example", "10.0.0.1",
+                                          "[::2]:80", "0.0.0.0:8000", ""]))
 
 
 def test_origins_are_compared_as_browsers_write_them():

@@ -11,7 +11,10 @@ forge either, so the gateway refuses, with 403, a request that is not GET, HEAD 
 - ``Origin`` is present and is neither the gateway's own origin (the scheme and ``Host`` the
   request came to) nor one of ``LOOPLINE_ALLOWED_ORIGINS`` (``Origin: null``, a sandboxed frame or
   a ``file:`` page, is never either), or
-- ``Sec-Fetch-Site`` is ``cross-site`` or ``same-site`` and ``Origin`` is not an allowed one.
+- ``Sec-Fetch-Site`` is ``cross-site`` or ``same-site`` and ``Origin`` is not an allowed one, or
+- the gateway listens on a loopback address and the page reached it by a name that is not this
+  machine's (``localhost``, a loopback address): DNS rebinding, where a page's own name is made to
+  resolve to 127.0.0.1, so that the browser takes the gateway for the page's origin.
 
 Clients that are not browsers (openai, scalarlm, the tinker SDK, curl, the CLI) send neither header
 and are let through as before. Plain ASGI and outside the API keys and the body limit, so a refused
@@ -20,6 +23,7 @@ request is answered before its key is looked at or any of its body is read.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 
@@ -47,9 +51,10 @@ def normalize_origin(origin: str) -> str:
 
 
 class SameOrigin:
-    def __init__(self, app, *, allowed: frozenset[str]):
+    def __init__(self, app, *, allowed: frozenset[str], loopback: bool):
         self.app = app
         self.allowed = frozenset(normalize_origin(o) for o in allowed)
+        self.loopback = loopback  # the gateway listens on a loopback address: only names of it are its
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in SAFE_METHODS:
@@ -85,11 +90,27 @@ class SameOrigin:
         if site is not None and site.strip().lower() in FOREIGN_SITES:
             named = f" (Origin {page!r})" if page is not None else ""
             return f"a browser page of another site sent it (Sec-Fetch-Site: {site.decode('latin-1')}){named}"
-        if page is not None and page != self._own_origin(scope):
+        host = next((v for k, v in scope["headers"] if k == b"host"), b"").decode("latin-1")
+        own = normalize_origin(f"{scope.get('scheme', 'http')}://{host}")
+        if page is not None and page != own:
             return f"a browser page of origin {page!r} sent it, not one of this gateway's"
+        if self.loopback and not is_loopback_name(host):
+            return (f"a browser page reached this gateway, which listens on a loopback address, as "
+                    f"{own!r}, a name that is not this machine's (DNS rebinding?)")
         return None
 
-    @staticmethod
-    def _own_origin(scope) -> str:
-        host = next((v for k, v in scope["headers"] if k == b"host"), b"").decode("latin-1")
-        return normalize_origin(f"{scope.get('scheme', 'http')}://{host}")
+
+def is_loopback_name(host: str) -> bool:
+    """Whether ``host`` (a Host header: name or address, maybe a port) names this machine as every
+    resolver must: ``localhost`` and its subdomains (RFC 6761), a loopback address."""
+    name = host.strip().lower()
+    if name.startswith("["):  # [::1]:8000
+        name = name[1:].partition("]")[0]
+    elif name.count(":") == 1:  # name:port (more than one colon: a bare IPv6 address)
+        name = name.partition(":")[0]
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
