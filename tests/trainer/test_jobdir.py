@@ -165,13 +165,13 @@ def test_the_atomic_writer_replaces_a_planted_link_and_never_writes_through_it(t
 
     outside = tmp_path / "marker"
     outside.write_text("keep")
-    (tmp_path / "entrypoint.sh").symlink_to(outside)
-    write_atomic(tmp_path / "entrypoint.sh", "new", mode=0o700)
+    (tmp_path / ENTRYPOINT_FILE).symlink_to(outside)
+    write_atomic(tmp_path / ENTRYPOINT_FILE, "new", mode=0o700)
     assert outside.read_text() == "keep" and (outside.stat().st_mode & 0o777) != 0o700
-    assert not (tmp_path / "entrypoint.sh").is_symlink()
-    assert (tmp_path / "entrypoint.sh").read_text() == "new"
-    assert ((tmp_path / "entrypoint.sh").stat().st_mode & 0o777) == 0o700
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["entrypoint.sh", "marker"]
+    assert not (tmp_path / ENTRYPOINT_FILE).is_symlink()
+    assert (tmp_path / ENTRYPOINT_FILE).read_text() == "new"
+    assert ((tmp_path / ENTRYPOINT_FILE).stat().st_mode & 0o777) == 0o700
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([ENTRYPOINT_FILE, "marker"])
 
 
 def test_status_is_marked_queued_before_a_restart(tmp_path):

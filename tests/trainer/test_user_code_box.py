@@ -22,7 +22,13 @@ from pathlib import Path
 import pytest
 
 from loopline.common.contracts import subjects, tinker_names
-from loopline.common.contracts.job_layout import CODE_DIR, DATASET_FILE, ENTRYPOINT_FILE, EVENTS_FILE
+from loopline.common.contracts.job_layout import (
+    CODE_DIR,
+    DATASET_FILE,
+    ENTRYPOINT_FILE,
+    EVENTS_FILE,
+    STATUS_FILE,
+)
 from loopline.common.contracts.training_archive import deterministic_tar
 from loopline.trainer import jobdir
 from support.root import need_root
@@ -35,8 +41,8 @@ OTHER_DATA = b'{"input": "OTHER-TENANT-DATA", "output": " private"}\n'
 WORKER_PASSWORD = "WORKER-NATS-PASSWORD"
 # The names the job plants as links to the marker: what the trainer (root) or Slurm would write,
 # append to, chmod or read back for it, in the job's own folder.
-PLANTED = [EVENTS_FILE, "status.json", ENTRYPOINT_FILE, jobdir.log_name("local", "L1"),
-           jobdir.log_name("slurm", "1"), ".entrypoint.sh.tmp", ".status.json.tmp",
+PLANTED = [EVENTS_FILE, STATUS_FILE, ENTRYPOINT_FILE, jobdir.log_name("local", "L1"),
+           jobdir.log_name("slurm", "1"), f".{ENTRYPOINT_FILE}.tmp", f".{STATUS_FILE}.tmp",
            f".{ENTRYPOINT_FILE}.{os.getpid()}.00000000.tmp"]
 
 ATTACK = '''
