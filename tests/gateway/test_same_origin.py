@@ -110,6 +110,17 @@ async def test_a_loopback_gateway_reached_by_another_name_is_refused(gateway_cli
         assert (await http.post(ROUTE, headers=rebound)).json() == {}
 
 
+async def test_the_origin_a_tls_ending_proxy_forwards_is_the_gateways_own(gateway_client):
+    # An ingress ends TLS: the page is https://gw.example, the gateway hears http from it.
+    page = {"Host": "gw.example", "Origin": "https://gw.example", "Sec-Fetch-Site": "same-origin"}
+    async with gateway_client(host="0.0.0.0") as http:
+        assert (await http.post(ROUTE, headers={**page, "X-Forwarded-Proto": "https"})).json() == {}
+        assert (await http.post(ROUTE, headers=page)).status_code == 403
+        # It names the gateway's scheme, not any origin: another host is still another origin.
+        other = {**page, "Origin": "https://evil.example", "X-Forwarded-Proto": "https"}
+        assert (await http.post(ROUTE, headers=other)).status_code == 403
+
+
 async def test_safe_methods_are_not_refused(gateway_client):
     async with gateway_client() as http:
         evil = {"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"}

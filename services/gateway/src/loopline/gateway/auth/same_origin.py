@@ -8,9 +8,10 @@ answer, but the harm is done by then. Browsers say where a request comes from (`
 state-changing request, ``Sec-Fetch-Site`` on every request of current ones) and a page cannot
 forge either, so the gateway refuses, with 403, a request that is not GET, HEAD or OPTIONS when
 
-- ``Origin`` is present and is neither the gateway's own origin (the scheme and ``Host`` the
-  request came to) nor one of ``LOOPLINE_ALLOWED_ORIGINS`` (``Origin: null``, a sandboxed frame or
-  a ``file:`` page, is never either), or
+- ``Origin`` is present and is neither the gateway's own origin (the scheme, or a TLS-ending
+  proxy's ``X-Forwarded-Proto``, and the ``Host`` the request came to) nor one of
+  ``LOOPLINE_ALLOWED_ORIGINS`` (``Origin: null``, a sandboxed frame or a ``file:`` page, is never
+  either), or
 - ``Sec-Fetch-Site`` is ``cross-site`` or ``same-site`` and ``Origin`` is not an allowed one, or
 - the gateway listens on a loopback address and the page reached it by a name that is not this
   machine's (``localhost``, a loopback address): DNS rebinding, where a page's own name is made to
@@ -92,12 +93,24 @@ class SameOrigin:
             return f"a browser page of another site sent it (Sec-Fetch-Site: {site.decode('latin-1')}){named}"
         host = next((v for k, v in scope["headers"] if k == b"host"), b"").decode("latin-1")
         own = normalize_origin(f"{scope.get('scheme', 'http')}://{host}")
-        if page is not None and page != own:
+        if page is not None and page != own and page != _forwarded_origin(scope, host):
             return f"a browser page of origin {page!r} sent it, not one of this gateway's"
         if self.loopback and not is_loopback_name(host):
             return (f"a browser page reached this gateway, which listens on a loopback address, as "
                     f"{own!r}, a name that is not this machine's (DNS rebinding?)")
         return None
+
+
+def _forwarded_origin(scope, host: str) -> str | None:
+    """The gateway's origin as the client saw it through a proxy that ends TLS (``X-Forwarded-Proto:
+    https``, as ingresses send): a page cannot set that header (not CORS-safelisted: a no-cors fetch
+    drops it, any other asks first, and the gateway approves no preflight), so it is not the
+    attacker's to forge."""
+    proto = next((v for k, v in scope["headers"] if k == b"x-forwarded-proto"), None)
+    if proto is None:
+        return None
+    scheme = proto.decode("latin-1").split(",")[0].strip().lower()
+    return normalize_origin(f"{scheme}://{host}") if scheme in DEFAULT_PORTS else None
 
 
 def is_loopback_name(host: str) -> bool:
