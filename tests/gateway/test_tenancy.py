@@ -10,20 +10,25 @@ import asyncio
 import json
 import threading
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
 from nats.micro import add_service
 
-from loopline.common.contracts import subjects
+from loopline.common.contracts import subjects, tinker_names
 from loopline.common.contracts.job_layout import DATASET_FILE
 from loopline.common.contracts.job_schemas import AdapterEvent
 from loopline.common.contracts.schemas import DeploymentInfo, WorkItem
+from loopline.common.contracts.tinker_schemas import FutureResult, TinkerSampler
 from loopline.common.local import launcher
 from loopline.common.runtime import bus
+from loopline.common.runtime.tinker_store import TinkerStore
 from loopline.gateway.auth.key_store import KeyEntry, KeyFile, key_hash, new_key, write_key_file
+from support import tinker_records as records
 from support.bus_view import BusView
 from support.gateway_process import BASE_MODEL, start_gateway
+from support.tinker_records import TinkerBus
 from support.training_data import EXAMPLES, archive, jsonlines
 
 KEYS = {name: new_key() for name in ("a", "b", "infer", "boss")}
@@ -250,3 +255,114 @@ def routed_to(http: httpx.Client, model: str, nats_url: str) -> str | None:
         return WorkItem.model_validate_json(msg.data)
 
     return BusView(nats_url).ask(last_item).adapter
+
+
+# --- Tinker: sessions, training runs, checkpoints, sampling sessions, futures ---------------------
+
+@pytest.fixture(scope="module")
+def runs(keyed, nats_proc):
+    """A Tinker session, training run, checkpoints and sampling session of each training key, as
+    the gateway, the trainer and a session worker would have written them; and a stored training
+    future of a's run."""
+    tinker = TinkerBus(nats_proc.info["url"])
+    on = records.worker()
+    made = {}
+    for owner in ("a", "b"):
+        session = records.session(owner=owner)
+        run = records.model(session, on, owner=owner)
+        sampler = TinkerSampler(sampling_session_id=tinker_names.new_id(), base_model=records.BASE,
+                                owner=owner)
+        tinker.put(session, on, run, records.checkpoint(run, "weights", "w1"),
+                   records.checkpoint(run, "sampler_weights", "s1", adapter="f" * 64))
+        made[owner] = Tinker(session.session_id, run.model_id, sampler.sampling_session_id,
+                             tinker_names.request_id(run.model_id, 0, "optim_step"))
+
+        async def put_sampler(nc, sampler=sampler) -> None:
+            store = TinkerStore(nc.jetstream(), nc.max_payload)
+            await store.start()
+            await store.put_sampler(sampler)
+
+        tinker.ask(put_sampler)
+
+    async def finish(nc) -> None:
+        store = TinkerStore(nc.jetstream(), nc.max_payload)
+        await store.start()
+        await store.finish(FutureResult(request_id=made["a"].future, ok=False, category="user", error="x"))
+
+    tinker.ask(finish)
+    return made
+
+
+@dataclass
+class Tinker:
+    session: str
+    run: str
+    sampler: str
+    future: str  # a training call's of the run
+
+
+def tinker_routes(t: Tinker) -> list[tuple[str, str, dict | None]]:
+    """Every Tinker route that names one of ``t``'s things, and what it sends."""
+    weights = f"tinker://{t.run}/weights/w1"
+    return [("GET", f"/api/v1/training_runs/{t.run}", None),
+            ("GET", f"/api/v1/training_runs/{t.run}/checkpoints", None),
+            ("POST", "/api/v1/weights_info", {"tinker_path": weights}),
+            ("GET", f"/api/v1/sessions/{t.session}", None),
+            ("GET", f"/api/v1/samplers/{t.sampler}", None),
+            ("POST", "/api/v1/get_info", {"model_id": t.run}),
+            ("POST", "/api/v1/session_heartbeat", {"session_id": t.session}),
+            ("POST", "/api/v1/create_sampling_session",
+             {"session_id": t.session, "sampling_session_seq_id": 0,
+              "model_path": f"tinker://{t.run}/sampler_weights/s1"}),
+            ("GET", f"/v1/tinker/runs/{t.run}/events", None),
+            ("DELETE", f"/api/v1/training_runs/{t.run}/checkpoints/weights/w1", None)]
+
+
+def test_tinker_things_are_their_keys_own(keyed, runs, a, b, boss):
+    fake = Tinker(tinker_names.new_id(), tinker_names.model_id(tinker_names.new_id(), 0),
+                  tinker_names.new_id(), "")
+    fake_routes = tinker_routes(fake)
+    for method, path, body in tinker_routes(runs["a"])[:-1]:  # the delete last, once b is refused
+        theirs = b.request(method, path, json=body)
+        unknown_route = fake_routes[tinker_routes(runs["a"]).index((method, path, body))]
+        nobody = b.request(unknown_route[0], unknown_route[1], json=unknown_route[2])
+        assert theirs.status_code in (404, 410), (path, theirs.text)
+        assert theirs.status_code == nobody.status_code, path
+        ids = (runs["a"].run, runs["a"].session, runs["a"].sampler)
+        fakes = (fake.run, fake.session, fake.sampler)
+        text = theirs.text
+        for mine, other in zip(ids, fakes, strict=True):
+            text = text.replace(mine, other)
+        assert text == nobody.text, path
+        if method == "GET" and "/events" not in path:
+            assert a.request(method, path, json=body).status_code == 200, path
+            assert boss.request(method, path, json=body).status_code == 200, path
+    method, path, body = tinker_routes(runs["a"])[-1]
+    assert b.request(method, path).status_code == 404
+    assert a.request("GET", f"/api/v1/training_runs/{runs['a'].run}/checkpoints").json()["checkpoints"]
+    # Listings: each key its own, admin every one.
+    for http, mine, theirs in ((a, runs["a"], runs["b"]), (b, runs["b"], runs["a"])):
+        listed_runs = run_ids(http)
+        assert mine.run in listed_runs and theirs.run not in listed_runs
+        sessions = http.get("/api/v1/sessions").json()["sessions"]
+        assert mine.session in sessions and theirs.session not in sessions
+    assert {runs["a"].run, runs["b"].run} <= run_ids(boss)
+
+
+def run_ids(http: httpx.Client) -> set[str]:
+    resp = http.get("/api/v1/training_runs")
+    assert resp.status_code == 200, resp.text
+    return {run["training_run_id"] for run in resp.json()["training_runs"]}
+
+
+def test_an_inference_key_reads_no_training_future(keyed, runs, a):
+    with client(keyed, "infer") as infer:
+        refused = infer.post("/api/v1/retrieve_future", json={"request_id": runs["a"].future})
+        assert refused.status_code == 403 and "'training'" in refused.json()["detail"]
+    assert a.post("/api/v1/retrieve_future", json={"request_id": runs["a"].future}).json()["error"] == "x"
+
+
+def test_without_keys_every_tinker_run_is_everyones(gateway, runs):
+    with httpx.Client(base_url=gateway.url, timeout=30) as anyone:
+        assert {runs["a"].run, runs["b"].run} <= run_ids(anyone)
+        assert anyone.get(f"/api/v1/training_runs/{runs['b'].run}").status_code == 200

@@ -133,7 +133,7 @@ class Calls:
         path = str(tinker_names.TinkerPath(model.model_id, "sampler_weights", name))
         await self._record(model, "sampler", name, path, folder, body.ttl_seconds, adapter=adapter, step=step)
         sampler = TinkerSampler(sampling_session_id=tinker_names.new_id(), base_model=model.base_model,
-                                adapter=adapter, model_path=path, step=step)
+                                adapter=adapter, model_path=path, step=step, owner=model.owner)
         await self.store.put_sampler(sampler)
         self.emit(SessionEvent(worker_id=model.worker_id, kind="saved", model_id=model.model_id, path=path,
                                step=step))

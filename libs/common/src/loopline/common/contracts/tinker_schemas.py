@@ -84,6 +84,9 @@ class TinkerSession(BaseModel):
     tags: list[str] = Field(default_factory=list)
     user_metadata: dict[str, str] = Field(default_factory=dict)
     finished: str | None = None  # the reason the SDK gave when it closed the session
+    # The name of the API key that made it (gateway/auth/tenancy.py); None when keys are off. Another
+    # key without admin is answered as if it did not exist.
+    owner: str | None = None
 
 
 class TinkerModel(BaseModel):
@@ -101,6 +104,7 @@ class TinkerModel(BaseModel):
     user_metadata: dict[str, str] = Field(default_factory=dict)
     state: Literal["active", "released", "failed"] = "active"
     error: str | None = None
+    owner: str | None = None  # as TinkerSession.owner: its checkpoints and futures are its owner's
 
 
 class TinkerWorker(BaseModel):
@@ -140,6 +144,7 @@ class TinkerSampler(BaseModel):
     # When it was last written: a sampling session in use is written again now and then, so that
     # its bucket's TTL (LOOPLINE_TINKER_SESSIONS_MAX_AGE_S) takes only abandoned ones.
     written_at: float | None = None  # None: when created
+    owner: str | None = None  # as TinkerSession.owner
 
     @property
     def written(self) -> float:

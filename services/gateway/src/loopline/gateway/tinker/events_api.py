@@ -19,8 +19,10 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from loopline.common.contracts import subjects
+from loopline.common.contracts.job_schemas import OwnerFilter
 from loopline.common.contracts.tinker_schemas import SessionEvent, TinkerModel, TinkerWorker
 from loopline.gateway.auth.scopes import TRAINING
+from loopline.gateway.auth.tenancy import sees, tenant_of
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.event_streams import SSE_HEADERS, held_stream, sse
 from loopline.gateway.core.route_spec import EVENT_STREAM, FIELDS, NO_BUS, STREAMS, declare
@@ -51,7 +53,8 @@ async def all_session_events(request: Request, history: bool = False, after: int
     The stream does not end by itself."""
     sub = await gateway_of(request).trainer.follow_events(
         subjects.SESSION_EVENTS_ALL, from_seq=_start(after), new_only=not history and after is None)
-    return StreamingResponse(sse(sub, SessionEvent.model_validate_json, over=False),
+    keep = OwnRuns(gateway_of(request), tenant_of(request)).keep
+    return StreamingResponse(sse(sub, SessionEvent.model_validate_json, over=False, keep=keep),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -66,7 +69,9 @@ async def worker_events(request: Request, worker_id: str, after: int | None = AF
     sub = await gateway.trainer.follow_events(subjects.session_event(worker.worker_id, "*"),
                                               from_seq=_start(after))
     over = worker.state in ("released", "failed")
-    return StreamingResponse(sse(sub, SessionEvent.model_validate_json, over=over, ends=_worker_ended),
+    keep = OwnRuns(gateway, tenant_of(request)).keep
+    return StreamingResponse(sse(sub, SessionEvent.model_validate_json, over=over, keep=keep,
+                                 ends=_worker_ended),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -79,6 +84,8 @@ async def run_events(request: Request, run_id: str, after: int | None = AFTER):
     end; the stream ends when the run is released or fails, or its worker ends."""
     gateway = gateway_of(request)
     model = await _model(gateway, run_id)
+    if not sees(tenant_of(request), model.owner):  # another key's run: as if there were none
+        raise ApiError(404, f"no training run {run_id!r} on this server", param="run_id")
     if not model.worker_id:
         raise ApiError(409, f"training run {run_id} is not on a session worker yet; retry",
                        headers={"Retry-After": "1"})
@@ -117,3 +124,26 @@ async def _model(gateway: Gateway, run_id: str) -> TinkerModel:
     if model is None:
         raise ApiError(404, f"no training run {run_id!r} on this server", param="run_id")
     return model
+
+
+class OwnRuns:
+    """Which of a worker's events one tenant's stream sends (auth/tenancy.py): the worker's own
+    (starting, ready, released: no run named) and its own runs'; a worker serves every key's runs
+    on its base model. Each run's owner is read once."""
+
+    def __init__(self, gateway: Gateway, tenant: OwnerFilter):
+        self.gateway = gateway
+        self.tenant = tenant
+        self.known: dict[str, bool] = {}
+
+    async def keep(self, event: SessionEvent) -> bool:
+        if self.tenant is None or event.model_id is None:
+            return True
+        seen = self.known.get(event.model_id)
+        if seen is None:
+            try:
+                model = await self.gateway.tinker.store.model(event.model_id)
+            except Exception:  # noqa: BLE001 - NATS slow: leave the event out, ask at the next
+                return False
+            seen = self.known[event.model_id] = model is not None and sees(self.tenant, model.owner)
+        return seen

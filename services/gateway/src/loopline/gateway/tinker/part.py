@@ -16,10 +16,20 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from loopline.common.contracts import subjects
+from loopline.common.contracts.job_schemas import OwnerFilter
 from loopline.common.contracts.schemas import DeploymentInfo
-from loopline.common.contracts.tinker_schemas import FutureResult, Payload, StepCall, TinkerModel
+from loopline.common.contracts.tinker_schemas import (
+    FutureResult,
+    Payload,
+    StepCall,
+    TinkerCheckpoint,
+    TinkerModel,
+    TinkerSampler,
+    TinkerSession,
+)
 from loopline.common.runtime import bus
 from loopline.common.runtime.tinker_store import TinkerStore
+from loopline.gateway.auth.tenancy import sees
 from loopline.gateway.core.arrivals import Arrivals
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.model_directory import ModelDirectory
@@ -57,11 +67,29 @@ class TinkerPart:
         raise ApiError(404, f"base model {name!r} is not served here; served: {known or 'none yet'}",
                        param="base_model")
 
-    async def model(self, model_id: str) -> TinkerModel:
+    # --- records, as one tenant sees them (auth/tenancy.py): another key's is not there -----------
+    async def model(self, model_id: str, tenant: OwnerFilter = None) -> TinkerModel:
         model = await self.store.model(model_id)
-        if model is None:
+        if model is None or not sees(tenant, model.owner):
             raise ApiError(404, f"no training client {model_id!r} on this server", param="model_id")
         return model
+
+    async def checkpoint(self, model_id: str, kind: str, name: str,
+                         tenant: OwnerFilter = None) -> TinkerCheckpoint | None:
+        """A checkpoint of a training run ``tenant`` may see; None otherwise."""
+        if tenant is not None:
+            model = await self.store.model(model_id)
+            if model is None or not sees(tenant, model.owner):
+                return None
+        return await self.store.checkpoint(model_id, kind, name)
+
+    async def session(self, session_id: str, tenant: OwnerFilter = None) -> TinkerSession | None:
+        session = await self.store.session(session_id)
+        return session if session is not None and sees(tenant, session.owner) else None
+
+    async def sampler(self, sampling_session_id: str, tenant: OwnerFilter = None) -> TinkerSampler | None:
+        sampler = await self.store.sampler(sampling_session_id)
+        return sampler if sampler is not None and sees(tenant, sampler.owner) else None
 
     # --- calls ------------------------------------------------------------------------------------
     async def submit(self, model: TinkerModel, call: StepCall, proto: bytes | None = None) -> None:

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from loopline.common.contracts import tinker_names
 from loopline.common.contracts.tinker_schemas import TinkerCheckpoint, TinkerModel
 from loopline.gateway.auth.scopes import ANY_KEY, OPEN, TRAINING
+from loopline.gateway.auth.tenancy import sees, tenant_of
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.limits import check_page
 from loopline.gateway.core.route_spec import FIELDS, PAGE, declare
@@ -52,7 +53,9 @@ def run_body(model: TinkerModel, checkpoints: list[TinkerCheckpoint]) -> dict[st
 async def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
     check_page(limit, offset, gateway_of(request).settings.max_list_limit)
     store = gateway_of(request).tinker.store
-    models = sorted(await store.models(), key=lambda m: m.created_at, reverse=True)
+    tenant = tenant_of(request)
+    models = sorted((m for m in await store.models() if sees(tenant, m.owner)), key=lambda m: m.created_at,
+                    reverse=True)
     page = models[offset: offset + limit]
     runs = [run_body(m, await store.checkpoints(m.model_id)) for m in page]
     return {"training_runs": runs, "cursor": {"offset": offset, "limit": limit, "total_count": len(models)}}
@@ -61,14 +64,14 @@ async def list_training_runs(request: Request, limit: int = 20, offset: int = 0)
 @router.get("/training_runs/{run_id}", **declare(TRAINING, {404: "no such training run"}))
 async def get_training_run(request: Request, run_id: str) -> dict[str, Any]:
     tinker = gateway_of(request).tinker
-    model = await tinker.model(run_id)
+    model = await tinker.model(run_id, tenant_of(request))
     return run_body(model, await tinker.store.checkpoints(model.model_id))
 
 
 @router.get("/training_runs/{run_id}/checkpoints", **declare(TRAINING, {404: "no such training run"}))
 async def list_checkpoints(request: Request, run_id: str) -> dict[str, Any]:
     tinker = gateway_of(request).tinker
-    model = await tinker.model(run_id)
+    model = await tinker.model(run_id, tenant_of(request))
     return {"checkpoints": [checkpoint_body(c) for c in await tinker.store.checkpoints(model.model_id)]}
 
 
@@ -80,7 +83,7 @@ async def delete_checkpoint(request: Request, run_id: str, kind: str, name: str)
     tinker = gateway_of(request).tinker
     if kind not in tinker_names.STATE_KINDS:
         raise ApiError(400, f"the kind must be one of {', '.join(tinker_names.STATE_KINDS)}", param="kind")
-    if await tinker.store.checkpoint(run_id, kind, name) is None:
+    if await tinker.checkpoint(run_id, kind, name, tenant_of(request)) is None:
         raise ApiError(404, f"no checkpoint {kind}/{name} in training run {run_id}")
     await tinker.store.delete_checkpoint(run_id, kind, name)
     return {}
@@ -95,7 +98,7 @@ async def weights_info(request: Request) -> dict[str, Any]:
     except ValueError as exc:
         raise ApiError(400, str(exc), param="tinker_path") from None
     tinker = gateway_of(request).tinker
-    if await tinker.store.checkpoint(parsed.model_id, parsed.kind, parsed.name) is None:
+    if await tinker.checkpoint(parsed.model_id, parsed.kind, parsed.name, tenant_of(request)) is None:
         raise ApiError(404, f"no checkpoint {path}", param="tinker_path")
     model = await tinker.model(parsed.model_id)
     return {"base_model": model.model_name, "is_lora": True, "lora_rank": model.lora.rank,
@@ -106,7 +109,8 @@ async def weights_info(request: Request) -> dict[str, Any]:
 @router.get("/sessions", **declare(TRAINING, {400: PAGE, 422: FIELDS}))
 async def list_sessions(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
     check_page(limit, offset, gateway_of(request).settings.max_list_limit)
-    sessions = await gateway_of(request).tinker.store.sessions()
+    tenant = tenant_of(request)
+    sessions = [s for s in await gateway_of(request).tinker.store.sessions() if sees(tenant, s.owner)]
     sessions.sort(key=lambda s: s.created_at, reverse=True)
     return {"sessions": [s.session_id for s in sessions[offset: offset + limit]]}
 
@@ -114,7 +118,7 @@ async def list_sessions(request: Request, limit: int = 20, offset: int = 0) -> d
 @router.get("/sessions/{session_id}", **declare(TRAINING, {404: "no such session"}))
 async def get_session(request: Request, session_id: str) -> dict[str, Any]:
     store = gateway_of(request).tinker.store
-    session = await store.session(session_id)
+    session = await gateway_of(request).tinker.session(session_id, tenant_of(request))
     if session is None:
         raise ApiError(404, f"no session {session_id!r}", param="session_id")
     runs = sorted((m for m in await store.models() if m.session_id == session_id), key=lambda m: m.created_at)

@@ -23,6 +23,7 @@ from loopline.common.contracts.schemas import ResultItem, WorkItem
 from loopline.common.contracts.tinker_schemas import FutureResult, Payload, TinkerSampler
 from loopline.common.runtime import bus
 from loopline.gateway.auth.scopes import INFERENCE
+from loopline.gateway.auth.tenancy import owner_of, tenant_of
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.limits import check_count
 from loopline.gateway.core.route_spec import BUS, FULL, declare
@@ -38,8 +39,9 @@ PROTO = "application/x-protobuf"
 
 
 async def _sampler_of(gateway: Gateway, path: str | None, base_model: str | None,
-                      sampling_session_id: str) -> TinkerSampler:
-    """A sampling session for a tinker path (its sampler checkpoint) or a base model."""
+                      sampling_session_id: str, request: Request) -> TinkerSampler:
+    """A sampling session for a tinker path (its sampler checkpoint: the key's own, auth/tenancy.py)
+    or a base model."""
     tinker = gateway.tinker
     if path is not None:
         try:
@@ -49,16 +51,18 @@ async def _sampler_of(gateway: Gateway, path: str | None, base_model: str | None
         if parsed.kind != "sampler_weights":
             raise ApiError(400, f"{path} holds training state; sample from a sampler_weights path "
                                 "(save_weights_for_sampler)", param="model_path")
-        checkpoint = await tinker.store.checkpoint(parsed.model_id, parsed.kind, parsed.name)
+        checkpoint = await tinker.checkpoint(parsed.model_id, parsed.kind, parsed.name, tenant_of(request))
         if checkpoint is None or checkpoint.adapter is None:
             raise ApiError(404, f"no sampler checkpoint {path}", param="model_path")
         model = await tinker.model(parsed.model_id)
         return TinkerSampler(sampling_session_id=sampling_session_id, base_model=model.base_model,
-                             adapter=checkpoint.adapter, model_path=path, step=checkpoint.step)
+                             adapter=checkpoint.adapter, model_path=path, step=checkpoint.step,
+                             owner=owner_of(request))
     if base_model is None:
         raise ApiError(400, "name a model_path or a base_model to sample from", param="base_model")
     info = await tinker.base(base_model)
-    return TinkerSampler(sampling_session_id=sampling_session_id, base_model=info.model)
+    return TinkerSampler(sampling_session_id=sampling_session_id, base_model=info.model,
+                         owner=owner_of(request))
 
 
 @router.post("/create_sampling_session", **declare(INFERENCE, {
@@ -66,7 +70,7 @@ async def _sampler_of(gateway: Gateway, path: str | None, base_model: str | None
 async def create_sampling_session(request: Request) -> dict[str, Any]:
     body = await parse(request, tt.CreateSamplingSessionRequest)
     gateway = gateway_of(request)
-    sampler = await _sampler_of(gateway, body.model_path, body.base_model, tinker_names.new_id())
+    sampler = await _sampler_of(gateway, body.model_path, body.base_model, tinker_names.new_id(), request)
     gateway.session_quota.take(request)  # after the checks: a refused request creates nothing
     await gateway.tinker.store.put_sampler(sampler)
     return {"sampling_session_id": sampler.sampling_session_id, "type": "create_sampling_session"}
@@ -74,7 +78,7 @@ async def create_sampling_session(request: Request) -> dict[str, Any]:
 
 @router.get("/samplers/{sampler_id}", **declare(INFERENCE, {404: "no such sampling session"}))
 async def get_sampler(request: Request, sampler_id: str) -> dict[str, Any]:
-    sampler = await gateway_of(request).tinker.store.sampler(sampler_id)
+    sampler = await gateway_of(request).tinker.sampler(sampler_id, tenant_of(request))
     if sampler is None:
         raise ApiError(404, f"no sampling session {sampler_id!r}", param="sampler_id")
     return {"sampler_id": sampler.sampling_session_id, "base_model": sampler.base_model,
@@ -94,7 +98,7 @@ async def asample(request: Request) -> dict[str, Any]:
     check_count(body.num_samples, gateway.settings.max_samples_per_request, "max_samples_per_request",
                 "num_samples")
     if body.sampling_session_id is not None:
-        found = await gateway.tinker.store.sampler(body.sampling_session_id)
+        found = await gateway.tinker.sampler(body.sampling_session_id, tenant_of(request))
         if found is None:
             raise ApiError(404, f"no sampling session {body.sampling_session_id!r}",
                            param="sampling_session_id")
@@ -104,7 +108,7 @@ async def asample(request: Request) -> dict[str, Any]:
             sampler.written_at = time.time()
             await gateway.tinker.store.put_sampler(sampler)
     else:
-        sampler = await _sampler_of(gateway, body.model_path, body.base_model, "")
+        sampler = await _sampler_of(gateway, body.model_path, body.base_model, "", request)
     route = await gateway.models.resolve(sampler.base_model)
     try:
         vllm_body = completion_body(body, sampler.adapter or route.info.model)

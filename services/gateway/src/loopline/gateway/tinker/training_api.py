@@ -28,7 +28,9 @@ from loopline.common.contracts.tinker_schemas import (
     TinkerModel,
     TinkerSession,
 )
-from loopline.gateway.auth.scopes import ANY_KEY, TRAINING
+from loopline.gateway.auth.api_keys import api_key_of
+from loopline.gateway.auth.scopes import ANY_KEY, TRAINING, allows
+from loopline.gateway.auth.tenancy import owner_of, tenant_of
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.route_spec import TRAINER, declare
 from loopline.gateway.gateway import gateway_of
@@ -57,15 +59,15 @@ async def client_config() -> dict[str, Any]:
 async def create_session(request: Request) -> dict[str, Any]:
     body = await parse(request, tt.CreateSessionRequest)
     gateway_of(request).session_quota.take(request)
-    session = TinkerSession(session_id=tinker_names.new_id(), tags=body.tags,
+    session = TinkerSession(session_id=tinker_names.new_id(), tags=body.tags, owner=owner_of(request),
                             user_metadata={k: str(v) for k, v in (body.user_metadata or {}).items()})
     await gateway_of(request).tinker.store.put_session(session)
     return {"session_id": session.session_id, "type": "create_session"}
 
 
 async def _session(request: Request, session_id: str) -> TinkerSession:
-    session = await gateway_of(request).tinker.store.session(session_id)
-    if session is None:
+    session = await gateway_of(request).tinker.session(session_id, tenant_of(request))
+    if session is None:  # or another key's (auth/tenancy.py)
         # 410: the SDK stops heartbeating a session the server no longer has.
         raise ApiError(410, f"no session {session_id!r} on this server", param="session_id")
     return session
@@ -113,6 +115,7 @@ async def create_model(request: Request) -> dict[str, Any]:
     model_id = tinker_names.model_id(body.session_id, body.model_seq_id)
     model = TinkerModel(model_id=model_id, session_id=body.session_id, base_model=info.model,
                         model_path=info.model_path or info.model, model_name=body.base_model,
+                        owner=owner_of(request),
                         lora=LoraSpec.model_validate(body.lora_config.model_dump()), worker_id="",
                         user_metadata={k: str(v) for k, v in (body.user_metadata or {}).items()})
     call = StepCall(request_id=tinker_names.request_id(model_id, None, "create_model"), model_id=model_id,
@@ -139,7 +142,7 @@ async def _place(request: Request, model: TinkerModel, first: StepCall) -> Tinke
 @router.post("/get_info", **declare(TRAINING, {400: BODY, 404: MODEL}))
 async def get_info(request: Request) -> dict[str, Any]:
     raw = await json_object(request)
-    model = await gateway_of(request).tinker.model(str(raw.get("model_id", "")))
+    model = await gateway_of(request).tinker.model(str(raw.get("model_id", "")), tenant_of(request))
     return {"type": "get_info", "model_id": model.model_id, "is_lora": True, "lora_rank": model.lora.rank,
             "model_name": model.model_name,
             # tokenizer_id: the folder, so the SDK's AutoTokenizer loads it without the Hub.
@@ -161,7 +164,7 @@ async def forward_backward(request: Request) -> dict[str, Any]:
         model_id, seq_id = proto.route_of(data)
     except ValueError as exc:
         raise ApiError(400, f"not a ForwardBackwardRequest: {exc}") from None
-    model = await gateway.tinker.model(model_id)
+    model = await gateway.tinker.model(model_id, tenant_of(request))
     call = StepCall(request_id=tinker_names.request_id(model.model_id, seq_id, "forward_backward"),
                     model_id=model.model_id, seq_id=seq_id, kind="forward_backward")
     await gateway.tinker.submit(model, call, data)
@@ -171,7 +174,7 @@ async def forward_backward(request: Request) -> dict[str, Any]:
 async def _json_call(request: Request, kind: CallKind, body_type: type[BaseModel]) -> dict[str, Any]:
     body = await parse(request, body_type)
     gateway = gateway_of(request)
-    model = await gateway.tinker.model(str(getattr(body, "model_id", "")))
+    model = await gateway.tinker.model(str(getattr(body, "model_id", "")), tenant_of(request))
     seq_id = getattr(body, "seq_id", None)
     call = StepCall(request_id=tinker_names.request_id(model.model_id, seq_id, kind), model_id=model.model_id,
                     seq_id=seq_id, kind=kind, body=(await request.body()).decode())
@@ -221,7 +224,7 @@ async def load_weights(request: Request) -> dict[str, Any]:
         path = tinker_names.parse_path(body.path)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="path") from None
-    source = await tinker.store.checkpoint(path.model_id, path.kind, path.name)
+    source = await tinker.checkpoint(path.model_id, path.kind, path.name, tenant_of(request))
     if source is None:
         raise ApiError(404, f"no checkpoint {body.path}", param="path")
     if body.model_id is not None:
@@ -230,10 +233,11 @@ async def load_weights(request: Request) -> dict[str, Any]:
     if body.session_id is None or body.model_seq_id is None:
         raise ApiError(400, "load_weights needs model_id, or session_id and model_seq_id", param="model_id")
     await _session(request, body.session_id)
-    origin = await tinker.model(path.model_id)
+    origin = await tinker.model(path.model_id, tenant_of(request))
     model_id = tinker_names.model_id(body.session_id, body.model_seq_id)
     model = origin.model_copy(update={
         "model_id": model_id, "session_id": body.session_id, "worker_id": "", "state": "active",
+        "owner": owner_of(request),
         "error": None, "created_at": time.time(), "last_request_at": time.time()})
     call = StepCall(request_id=tinker_names.request_id(model_id, None, "load_weights"), model_id=model_id,
                     kind="load_weights", body=body.model_dump_json())
@@ -243,12 +247,20 @@ async def load_weights(request: Request) -> dict[str, Any]:
 
 # --- futures -------------------------------------------------------------------------------------
 # A sample's future and a training step's alike.
-@router.post("/retrieve_future", **declare(ANY_KEY, {400: BODY, 404: "no such future"}))
+@router.post("/retrieve_future", **declare(ANY_KEY, {
+    400: BODY, 403: "a training call's future, asked with a key without the training scope",
+    404: "no such future"}))
 async def retrieve_future(request: Request) -> Response:
     body = await parse(request, tt.FutureRetrieveRequest)
     gateway = gateway_of(request)
     rid = body.request_id
     poll_s = gateway.settings.tinker_poll_s
+    key = api_key_of(request)
+    if tinker_names.is_training_request_id(rid) and key is not None and not allows(key.scopes, TRAINING):
+        # A training call's id derives from its model id; a key that cannot train has none of its
+        # own, so a training future is never its to read (a sample's future is the sampler's).
+        raise ApiError(403, f"API key {key.name!r} lacks the 'training' scope a training call's future "
+                            "needs", param="request_id", type="permission_error")
     if tinker_names.is_training_request_id(rid):
         result = await gateway.tinker.wait(rid, poll_s)
     else:
