@@ -366,3 +366,19 @@ def test_without_keys_every_tinker_run_is_everyones(gateway, runs):
     with httpx.Client(base_url=gateway.url, timeout=30) as anyone:
         assert {runs["a"].run, runs["b"].run} <= run_ids(anyone)
         assert anyone.get(f"/api/v1/training_runs/{runs['b'].run}").status_code == 200
+
+
+def test_a_tenant_trains_only_a_served_base_model(a, boss):
+    def train(http: httpx.Client, llm_name: str) -> httpx.Response:
+        data = archive({DATASET_FILE: jsonlines([*EXAMPLES, {"input": llm_name, "output": "base"}])})
+        return http.post("/v1/megatron/train", files={"file": ("dataset", data, "application/octet-stream")},
+                         data={"params": json.dumps({"max_steps": 3, "llm_name": llm_name, **LOADING})})
+
+    for elsewhere in ("/etc", "some-org/any-hub-model"):
+        refused = train(a, elsewhere)
+        assert refused.status_code == 400, refused.text
+        detail = refused.json()["detail"]
+        assert "params.llm_name" in detail and "LOOPLINE_ALLOW_ANY_BASE_MODEL" in detail
+        assert BASE_MODEL in detail  # what it may name instead
+    assert train(a, BASE_MODEL).status_code == 200
+    assert train(boss, "some-org/any-hub-model").status_code == 200  # admin may

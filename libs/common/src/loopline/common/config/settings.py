@@ -159,6 +159,12 @@ class GatewaySettings(CommonSettings):
     api_keys_file: Path | None = Field(default=None, description=(
         "A JSON file of hashed API keys, each with its scopes (`inference`, `training`, `admin`) and "
         "limits, written by `loopline keys`; when set, keys are on (with `LOOPLINE_API_KEYS` too)."))
+    # A job's llm_name is loaded by the trainer as given: a server path or any Hub id. One tenant
+    # should not pick what the training machines read or download (auth/tenancy.py).
+    allow_any_base_model: bool = Field(default=False, description=(
+        "Let a key without the admin scope train any `llm_name` (a server path, a Hub id); off, its "
+        "`llm_name` must be a model this deployment serves (400 otherwise). Admin keys, and every "
+        "request when keys are off, may always name any."))
     # Empty: a browser page may change state only from the gateway's own origin (auth/same_origin.py).
     allowed_origins: str = Field(default="", description=(
         "Comma-separated origins (`https://app.example.com`) of web pages whose browsers may send "

@@ -23,7 +23,7 @@ from loopline.common.contracts import training_archive as archives
 from loopline.common.contracts.job_hash import job_hash as hash_job
 from loopline.common.contracts.job_schemas import JobInfo, JobSubmit
 from loopline.common.contracts.train_params import TrainParams, canonical
-from loopline.gateway.auth.tenancy import owner_of
+from loopline.gateway.auth.tenancy import owner_of, tenant_of
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.limits import over_limit
 from loopline.gateway.core.trainer_client import TrainerClient
@@ -81,6 +81,22 @@ def read_archive(source: Path | IO[bytes], settings: GatewaySettings) -> archive
         raise ApiError(_STATUS_OF.get(type(exc), 400), str(exc), param="file") from exc
 
 
+async def check_base_model(request: Request, llm_name: str) -> None:
+    """A key without admin trains only a model this deployment serves (by its served name or the
+    folder it is loaded from), unless LOOPLINE_ALLOW_ANY_BASE_MODEL: the trainer loads ``llm_name``
+    as given, a path on the training machines or a Hub id to download."""
+    settings: GatewaySettings = request.app.state.settings
+    if tenant_of(request) is None or settings.allow_any_base_model or llm_name == settings.model:
+        return
+    models = gateway_of(request).models
+    await models.refresh()
+    names = {settings.model, *models.served}
+    if llm_name not in names and llm_name not in {info.model_path for info in models.served.values()}:
+        raise ApiError(400, f"params.llm_name {llm_name!r} is not a model this server serves "
+                            f"({', '.join(sorted(names))}): training another base model needs an admin "
+                            "key, or LOOPLINE_ALLOW_ANY_BASE_MODEL=true", param="params.llm_name")
+
+
 async def submit_archive(request: Request, source: Path | IO[bytes], params: TrainParams) -> TrainResponse:
     settings: GatewaySettings = request.app.state.settings
     trainer = trainer_of(request)
@@ -88,6 +104,7 @@ async def submit_archive(request: Request, source: Path | IO[bytes], params: Tra
     # ScalarLM fills llm_name with the served model; it is part of the job, so before hashing.
     if not params.llm_name:
         params = params.model_copy(update={"llm_name": settings.model})
+    await check_base_model(request, params.llm_name or settings.model)
     archive = await asyncio.to_thread(read_archive, source, settings)
     with archive:
         try:
