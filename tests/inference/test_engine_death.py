@@ -67,3 +67,25 @@ async def test_the_watch_returns_when_the_replica_stops():
     watch = asyncio.create_task(watch_engine(server_with(False, {}), Handed(), stopping, every_s=0.01))
     stopping.set()
     await asyncio.wait_for(watch, 1)
+
+
+async def test_an_adapter_the_dead_engine_could_not_load_is_not_rejected(monkeypatch, tmp_path):
+    """A load that fails because the engine died says so (EngineDead: the request goes to another
+    replica), not "rejected", which would mark a good checkpoint unservable."""
+    from loopline.inference import vllm_server
+    from loopline.inference.vllm_server import AdapterRejected, EngineDead
+
+    server = server_with(True, {"EngineCore": -9})
+
+    async def add_lora(_request):
+        raise RuntimeError("EngineCore encountered an issue")
+
+    server.llm.add_lora = add_lora
+    server.llm.vllm_config = SimpleNamespace(lora_config=object())
+    server.app.state.openai_serving_models = SimpleNamespace(lora_requests={})
+    monkeypatch.setattr(vllm_server, "_vllm_folder", lambda folder, config: str(folder))
+    with pytest.raises(EngineDead, match="EngineCore exited with -9"):
+        await server.load_adapter("job@1", tmp_path, {"adapter_type": "lora"})
+    server.llm.errored = False
+    with pytest.raises(AdapterRejected):  # a live engine's refusal is the checkpoint's
+        await server.load_adapter("job@1", tmp_path, {"adapter_type": "lora"})

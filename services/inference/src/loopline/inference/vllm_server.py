@@ -220,6 +220,8 @@ class VllmServer:
         try:
             await self.llm.add_lora(request)
         except Exception as exc:  # vLLM's refusal: rank above max_lora_rank, ...
+            if why := self.dead:  # not the checkpoint's fault: no "rejected" for it
+                raise EngineDead(why) from exc
             raise AdapterRejected(f"vLLM could not load the adapter: {exc}") from exc
         registered[name] = request
         return request
