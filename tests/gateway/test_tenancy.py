@@ -382,3 +382,34 @@ def test_a_tenant_trains_only_a_served_base_model(a, boss):
         assert BASE_MODEL in detail  # what it may name instead
     assert train(a, BASE_MODEL).status_code == 200
     assert train(boss, "some-org/any-hub-model").status_code == 200  # admin may
+
+
+# --- ScalarLM batches: get_results, upload, download -----------------------------------------------
+
+def test_a_batch_is_its_keys_own(keyed, base_served, a, b, boss):
+    prompts = {"prompts": ["batch of a"], "model": base_served, "max_tokens": 1}
+    ids = [entry["request_id"] for entry in a.post("/v1/generate", json=prompts).json()["results"]]
+    unknown_ids = [f"{'e' * 64}_{rid.rpartition('_')[2]}" for rid in ids]
+
+    def poll(http: httpx.Client, request_ids: list[str]) -> httpx.Response:
+        return http.post("/v1/generate/get_results", json={"request_ids": request_ids})
+
+    theirs = poll(b, ids)
+    assert theirs.status_code == 404
+    assert theirs.text.replace(ids[0].rpartition("_")[0], "e" * 64) == poll(b, unknown_ids).text
+    assert poll(a, ids).status_code == 200 and poll(boss, ids).status_code == 200
+    # The same prompts from b: a batch of its own, not a's (whose answers it would read).
+    mine = [entry["request_id"] for entry in b.post("/v1/generate", json=prompts).json()["results"]]
+    assert mine != ids
+
+    upload = b'[{"prompt": "upload of a", "max_tokens": 1}]'
+    batch = a.post("/v1/generate/upload", files={"file": ("requests.json", upload)}).json()["request_id"]
+
+    def download(http: httpx.Client, batch_id: str) -> httpx.Response:
+        return http.post("/v1/generate/download", json={"request_id": batch_id})
+
+    assert as_unknown(download(b, batch), batch) == as_unknown(download(b, "e" * 64), "e" * 64)
+    assert download(b, batch).status_code == 404
+    assert download(a, batch).status_code == 200
+    same_file = b.post("/v1/generate/upload", files={"file": ("requests.json", upload)})
+    assert same_file.json()["request_id"] != batch

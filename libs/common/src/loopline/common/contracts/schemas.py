@@ -169,6 +169,9 @@ class BatchManifest(BaseModel):
     model: str
     kind: Literal["generate", "upload", "openai"]
     created_at: float = Field(default_factory=time.time)
+    # The API key that submitted it (gateway/auth/tenancy.py); None when keys are off. Another key
+    # without admin polls or downloads it as an unknown batch.
+    owner: str | None = None
 
 
 class DeploymentLoad(BaseModel):

@@ -64,6 +64,12 @@ def content_group(payload: Any) -> str:
     return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def owned_group(group: str, owner: str | None) -> str:
+    """A content-addressed batch id of one API key's (auth/tenancy.py): another key sending the same
+    content gets a batch of its own, never this one's answers. Without keys, ``group`` itself."""
+    return group if owner is None else content_group({"group": group, "owner": owner})
+
+
 def fresh_group() -> str:
     return uuid.uuid4().hex
 
@@ -80,7 +86,8 @@ def check_max_tokens(route: Route, max_tokens: int) -> None:
 
 async def submit_prompts(gateway: Gateway, route: Route, group: str, prompts: list[Prompt],
                          max_tokens: int, temperature: float, *, kind: str, skip_if_known: bool = False,
-                         tools: dict[str, Any] | None = None) -> tuple[list[str], bool]:
+                         tools: dict[str, Any] | None = None,
+                         owner: str | None = None) -> tuple[list[str], bool]:
     """Publish one work item per prompt. Returns their request ids in prompt order, and whether
     the batch had been accepted before (then nothing is published: its work is queued or done)."""
     check_max_tokens(route, max_tokens)
@@ -93,7 +100,7 @@ async def submit_prompts(gateway: Gateway, route: Route, group: str, prompts: li
              for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))]
     # ScalarLM batches are polled for later, possibly through another gateway: a manifest says the
     # batch is known.
-    manifest = BatchManifest(group=group, total=len(prompts), model=route.model, kind=kind)
+    manifest = BatchManifest(group=group, total=len(prompts), model=route.model, kind=kind, owner=owner)
     await gateway.work.publish(manifest, items, route.deployment)
     return ids, False
 

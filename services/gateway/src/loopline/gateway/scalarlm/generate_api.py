@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 
 from loopline.common.config.settings import GatewaySettings
 from loopline.common.contracts import subjects
+from loopline.common.contracts.job_schemas import OwnerFilter
 from loopline.common.contracts.schemas import (
     BatchManifest,
     ClearQueueReply,
@@ -28,7 +29,7 @@ from loopline.common.contracts.schemas import (
     WorkItem,
 )
 from loopline.gateway.auth.scopes import ADMIN, INFERENCE
-from loopline.gateway.auth.tenancy import tenant_of
+from loopline.gateway.auth.tenancy import owner_of, sees, tenant_of
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.limits import over_limit
 from loopline.gateway.core.route_spec import BUS, FIELDS, FULL, MODEL, NOT_JSON, QUEUE, declare
@@ -36,6 +37,7 @@ from loopline.gateway.core.submit import (
     Prompt,
     check_max_tokens,
     content_group,
+    owned_group,
     request_id,
     split_request_id,
     submit_prompts,
@@ -99,14 +101,20 @@ def first_choice(result: ResultItem) -> dict[str, Any]:
     return choices[0]
 
 
-async def collect(gateway: Gateway, ids: list[str], timeout_s: float, *, stored_first: bool) -> list[dict]:
-    """Long-poll: wait up to ``timeout_s`` for the results of ``ids``; null for what is not done."""
+async def collect(gateway: Gateway, ids: list[str], timeout_s: float, *, stored_first: bool,
+                  tenant: OwnerFilter = None) -> list[dict]:
+    """Long-poll: wait up to ``timeout_s`` for the results of ``ids``; null for what is not done.
+    Another key's batch (auth/tenancy.py) is an unknown one."""
     by_group: dict[str, list[int]] = {}
     for rid in ids:
         group, index = split_request_id(rid)
         by_group.setdefault(group, []).append(index)
     found: dict[str, ResultItem] = {}
     for group, indices in by_group.items():
+        if tenant is not None:
+            manifest = await gateway.work.manifest(group)
+            if manifest is None or not sees(tenant, manifest.owner):
+                raise _unknown_ids(group, indices[0])
         waiter = await gateway.results.waiter(group)
         try:
             # A batch is known once its manifest is stored, which is before /v1/generate or upload
@@ -118,9 +126,13 @@ async def collect(gateway: Gateway, ids: list[str], timeout_s: float, *, stored_
             await waiter.close()
         found.update({request_id(group, i): r for i, r in got.items()})
         if not got and not known:
-            raise ApiError(404, f"no request with ids {request_id(group, indices[0])}…: unknown or expired",
-                           param="request_ids")
+            raise _unknown_ids(group, indices[0])
     return [result_entry(rid, found.get(rid)) for rid in ids]
+
+
+def _unknown_ids(group: str, index: int) -> ApiError:
+    return ApiError(404, f"no request with ids {request_id(group, index)}…: unknown or expired",
+                    param="request_ids")
 
 
 @router.post("", **declare(INFERENCE, {
@@ -149,12 +161,13 @@ async def generate(body: GenerateRequest, request: Request):
     if route.adapter is not None:
         # Batches are content-addressed; the same prompts after further training are a new batch.
         key["adapter_step"] = route.step
-    group = content_group(key)
+    owner = owner_of(request)
+    group = owned_group(content_group(key), owner)
     # Listen before publishing, so a fast answer cannot slip past between the two.
     waiter = await gateway.results.waiter(group)
     try:
         ids, known = await submit_prompts(gateway, route, group, prompts, max_tokens, body.temperature,
-                                          kind="generate", skip_if_known=True, tools=tools)
+                                          kind="generate", skip_if_known=True, tools=tools, owner=owner)
         found = await waiter.wait(list(range(len(ids))), settings.response_timeout_s, stored_first=known)
     finally:
         await waiter.close()
@@ -173,7 +186,8 @@ async def get_results(body: ResultsRequest, request: Request):
         raise over_limit(413, f"{len(body.request_ids)} request ids in one poll", limit, "max_ids_per_poll",
                          param="request_ids")
     results = await collect(gateway_of(request), body.request_ids,
-                            request.app.state.settings.response_timeout_s, stored_first=True)
+                            request.app.state.settings.response_timeout_s, stored_first=True,
+                            tenant=tenant_of(request))
     return JSONResponse({"results": results})
 
 
@@ -191,7 +205,8 @@ async def upload(file: UploadFile, request: Request):
     if size > settings.max_upload_bytes:
         raise over_limit(413, f"the upload is {size} bytes", settings.max_upload_bytes, "max_upload_bytes",
                          param="file")
-    group = await asyncio.to_thread(upload_entries.file_sha256, file.file)
+    owner = owner_of(request)
+    group = owned_group(await asyncio.to_thread(upload_entries.file_sha256, file.file), owner)
     if await gateway.work.manifest(group) is not None:
         return {"request_id": group, "error": None}
     with tempfile.TemporaryFile() as spool:
@@ -207,7 +222,7 @@ async def upload(file: UploadFile, request: Request):
         for deployment, count in counts.items():
             gateway.admission.admit(deployment, count)
         first = next(iter(routes.values()))
-        manifest = BatchManifest(group=group, total=total, model=first.model, kind="upload")
+        manifest = BatchManifest(group=group, total=total, model=first.model, kind="upload", owner=owner)
         spool.seek(0)
         while slice_ := await asyncio.to_thread(_read_slice, spool):
             by_deployment: dict[str, list[WorkItem]] = {}
@@ -289,7 +304,7 @@ def _read_slice(spool: IO[bytes]) -> list[tuple[int, str | None, int, Prompt]]:
 async def download(body: DownloadRequest, request: Request):
     gateway = gateway_of(request)
     manifest = await gateway.work.manifest(body.request_id)
-    if manifest is None:
+    if manifest is None or not sees(tenant_of(request), manifest.owner):  # another key's: unknown
         raise ApiError(404, f"no uploaded batch {body.request_id!r}: unknown or expired", param="request_id")
     waiter = await gateway.results.waiter(manifest.group)
     try:
