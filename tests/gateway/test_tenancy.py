@@ -7,6 +7,7 @@ never its status); ``latest`` is the caller's own latest; admin sees every job. 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import threading
 import time
@@ -413,3 +414,34 @@ def test_a_batch_is_its_keys_own(keyed, base_served, a, b, boss):
     assert download(a, batch).status_code == 200
     same_file = b.post("/v1/generate/upload", files={"file": ("requests.json", upload)})
     assert same_file.json()["request_id"] != batch
+
+
+# --- ScalarLM chunked training uploads ------------------------------------------------------------
+
+def test_a_chunked_upload_is_its_keys_own(a, b):
+    data = archive({DATASET_FILE: jsonlines([*EXAMPLES, {"input": "chunked", "output": "a"}])})
+    declared = {"total_size": len(data), "total_hash": hashlib.sha256(data).hexdigest(),
+                "chunk_size": len(data), "num_chunks": 1, "compressed": True, "params": {"max_steps": 3}}
+    upload_id = a.post("/v1/megatron/upload/init", json=declared).json()["upload_id"]
+    # b declares the very same archive: an upload of its own, not a's.
+    assert b.post("/v1/megatron/upload/init", json=declared).json()["upload_id"] != upload_id
+
+    def chunk(http: httpx.Client, name: str) -> httpx.Response:
+        return http.post("/v1/megatron/upload/chunk", content=data, headers={
+            "X-Upload-Id": name, "X-Chunk-Index": "0", "X-Chunk-Hash": hashlib.sha256(data).hexdigest(),
+            "Content-Type": "application/octet-stream"})
+
+    def finalize(http: httpx.Client, name: str) -> httpx.Response:
+        return http.post("/v1/megatron/upload/finalize", json={"upload_id": name})
+
+    unknown_id = "e" * 32
+    for call in (chunk, finalize):
+        theirs = call(b, upload_id)
+        assert theirs.status_code == 404
+        assert as_unknown(theirs, upload_id) == as_unknown(call(b, unknown_id), unknown_id)
+    assert chunk(a, upload_id).status_code == 200
+    finished = finalize(a, upload_id)
+    assert finished.status_code == 200, finished.text
+    job = finished.json()["job_status"]["model_name"]
+    assert a.get(f"/v1/megatron/train/{job}").status_code == 200
+    assert b.get(f"/v1/megatron/train/{job}").status_code == 404

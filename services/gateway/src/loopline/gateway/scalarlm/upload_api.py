@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, field_validator
 from loopline.common.contracts.job_hash import Sha256Hex
 from loopline.common.contracts.train_params import TrainParams, canonical
 from loopline.gateway.auth.scopes import TRAINING
+from loopline.gateway.auth.tenancy import owner_of, sees, tenant_of
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.limits import over_limit
 from loopline.gateway.core.route_spec import FIELDS, NOT_JSON, TRAINER, declare
@@ -52,8 +53,12 @@ def staging_of(request: Request) -> ChunkStaging:
 
 
 async def plan_of(request: Request, upload_id: str) -> UploadPlan:
+    """The upload's plan; another key's upload is an unknown one (auth/tenancy.py)."""
     try:
-        return await staging_of(request).plan(gateway_of(request).js, upload_id)
+        plan = await staging_of(request).plan(gateway_of(request).js, upload_id)
+        if not sees(tenant_of(request), plan.owner):
+            raise UnknownUpload(upload_id)
+        return plan
     except UnknownUpload as exc:
         raise ApiError(404, f"no upload {upload_id!r}: unknown, finished or expired; start again with "
                             "/v1/megatron/upload/init", param="upload_id") from exc
@@ -83,7 +88,7 @@ async def init(body: InitRequest, request: Request):
         raise ApiError(422, f"{body.total_size} bytes in chunks of {body.chunk_size} make "
                             f"{-(-body.total_size // body.chunk_size)} chunks, not {body.num_chunks}")
     plan = UploadPlan(body.total_size, body.total_hash, body.chunk_size, body.num_chunks,
-                      canonical(body.params))
+                      canonical(body.params), owner=owner_of(request))
     upload_id, received = await staging_of(request).open(gateway_of(request).js, plan)
     return {"upload_id": upload_id, "received_chunks": received}
 

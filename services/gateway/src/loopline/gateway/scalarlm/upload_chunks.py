@@ -51,10 +51,16 @@ class UploadPlan:
     chunk_size: int
     num_chunks: int
     params: dict[str, Any] = field(default_factory=dict)
+    # The API key that began it (gateway/auth/tenancy.py): part of the id, so another key declaring
+    # the same archive has an upload of its own, and cannot send to or finalize this one.
+    owner: str | None = None
 
     @property
     def upload_id(self) -> str:
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        declared = asdict(self)
+        if self.owner is None:  # without keys, the id it always had
+            del declared["owner"]
+        canonical = json.dumps(declared, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
     def chunk_length(self, index: int) -> int:
