@@ -27,8 +27,8 @@ from loopline.gateway.auth.tenancy import tenant_of
 from loopline.gateway.core.answers import Answers
 from loopline.gateway.core.arrivals import Arrivals
 from loopline.gateway.core.errors import ApiError
-from loopline.gateway.core.openapi_docs import route_docs
 from loopline.gateway.core.limits import check_count
+from loopline.gateway.core.openapi_docs import route_docs
 from loopline.gateway.core.results import Results
 from loopline.gateway.core.route_spec import declare
 from loopline.gateway.core.submit import fresh_group, request_id
@@ -79,10 +79,10 @@ async def relay(request: Request):
         body = None  # not JSON: the default deployment's vLLM answers it, in its own words
     if not isinstance(body, dict):
         body = {}
-    model = body.get("model")
     for count in ("n", "best_of"):  # each sample is held whole on its way back through the gateway
         check_count(body.get(count), gateway.settings.max_samples_per_request, "max_samples_per_request",
                     count)
+    model = body.get("model")
     route = await gateway.models.resolve(model if isinstance(model, str) else None, tenant_of(request))
     if isinstance(model, str) and route.adapter is None and model != route.info.model:
         # The default model's other name: vLLM knows the deployment by its served name only.
