@@ -1,6 +1,6 @@
 """Every size a client chooses is bounded before the gateway works for it (issue 23): a 4xx that names
-the limit and its setting (``LOOPLINE_*``), and, where the size used to cost memory, the gateway's
-peak RSS stays within a stated bound while it refuses.
+the limit and its setting (``LOOPLINE_*``), and the gateway's peak RSS stays within a stated bound
+(RSS_BOUND) while it refuses.
 
 The gateway is its own process on a real nats-server, with nothing else (no trainer, no replica):
 every refusal here comes before any of them would be asked. Its peak RSS is the kernel's high-water
@@ -115,9 +115,11 @@ def test_tinker_num_samples_beyond_the_limit_is_400_before_any_work(http, gatewa
 
 
 @pytest.mark.parametrize("field", ["n", "best_of"])
-def test_openai_n_beyond_the_limit_is_400_in_openais_shape(http, field):
-    resp = http.post("/v1/completions", json={"model": BASE_MODEL, "prompt": "x", field: 10**9})
+def test_openai_n_beyond_the_limit_is_400_in_openais_shape(http, gateway, field):
+    with PeakRss(gateway.proc.pid) as rss:
+        resp = http.post("/v1/completions", json={"model": BASE_MODEL, "prompt": "x", field: 10**9})
     assert resp.status_code == 400, resp.text
+    assert rss.growth < RSS_BOUND, rss.growth
     error = resp.json()["error"]
     assert error["param"] == field and "LOOPLINE_MAX_SAMPLES_PER_REQUEST" in error["message"]
     resp = http.post("/v1/completions", json={"model": BASE_MODEL, "prompt": "x", field: MAX_SAMPLES})
@@ -125,21 +127,25 @@ def test_openai_n_beyond_the_limit_is_400_in_openais_shape(http, field):
 
 
 # --- get_results ------------------------------------------------------------------------------------
-def test_more_request_ids_than_the_limit_in_one_poll_is_413(http):
+def test_more_request_ids_than_the_limit_in_one_poll_is_413(http, gateway):
     ids = [f"{'a' * 64}_{i:09d}" for i in range(MAX_IDS + 1)]
     started = time.monotonic()
-    resp = http.post("/v1/generate/get_results", json={"request_ids": ids})
+    with PeakRss(gateway.proc.pid) as rss:
+        resp = http.post("/v1/generate/get_results", json={"request_ids": ids})
     assert resp.status_code == 413, resp.text
+    assert rss.growth < RSS_BOUND, rss.growth
     assert names(resp, "LOOPLINE_MAX_IDS_PER_POLL") and time.monotonic() - started < 5
     # At the limit they are looked up (unknown here: 404 at once).
     resp = http.post("/v1/generate/get_results", json={"request_ids": ids[:MAX_IDS]})
     assert resp.status_code == 404, resp.text
 
 
-def test_a_request_id_with_a_huge_index_is_400_not_500(http):
+def test_a_request_id_with_a_huge_index_is_400_not_500(http, gateway):
     """Before: a 4,300-digit index passed the id check and int() refused it: a 500."""
-    resp = http.post("/v1/generate/get_results", json={"request_ids": [f"{'a' * 64}_{'9' * 4300}"]})
+    with PeakRss(gateway.proc.pid) as rss:
+        resp = http.post("/v1/generate/get_results", json={"request_ids": [f"{'a' * 64}_{'9' * 4300}"]})
     assert resp.status_code == 400, resp.text
+    assert rss.growth < RSS_BOUND, rss.growth
     detail = resp.json()["detail"]
     assert "malformed request id" in detail and "index digits" in detail and len(detail) < 1000
 
@@ -150,17 +156,19 @@ def init(http: httpx.Client, total: int, chunk: int, count: int) -> httpx.Respon
         "total_size": total, "total_hash": "ab" * 32, "chunk_size": chunk, "num_chunks": count})
 
 
-def test_a_chunked_upload_of_more_chunks_than_the_limit_is_413_at_init(http):
+def test_a_chunked_upload_of_more_chunks_than_the_limit_is_413_at_init(http, gateway):
     """Before: chunk_size=1 for 1 GiB was accepted, and init and finalize looked up a billion
     chunks, one coroutine each."""
     total = 64 * MiB
     started = time.monotonic()
-    resp = init(http, total, 1, total)
-    assert resp.status_code == 413 and names(resp, "LOOPLINE_MAX_UPLOAD_CHUNKS"), resp.text
-    # A count that does not match its sizes is refused by the sizes, not by the count sent.
-    resp = init(http, total, 1, 1)
-    assert resp.status_code == 413 and names(resp, "LOOPLINE_MAX_UPLOAD_CHUNKS"), resp.text
+    with PeakRss(gateway.proc.pid) as rss:
+        resp = init(http, total, 1, total)
+        assert resp.status_code == 413 and names(resp, "LOOPLINE_MAX_UPLOAD_CHUNKS"), resp.text
+        # A count that does not match its sizes is refused by the sizes, not by the count sent.
+        resp = init(http, total, 1, 1)
+        assert resp.status_code == 413 and names(resp, "LOOPLINE_MAX_UPLOAD_CHUNKS"), resp.text
     assert time.monotonic() - started < 5
+    assert rss.growth < RSS_BOUND, rss.growth
     resp = init(http, MAX_CHUNKS * MiB, MiB, MAX_CHUNKS)
     assert resp.status_code == 200, resp.text
     assert resp.json()["received_chunks"] == []
@@ -226,7 +234,11 @@ def test_an_upload_that_is_not_an_array_is_400(http):
 
 # --- list limits ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("route", ["/api/v1/training_runs", "/api/v1/sessions"])
-def test_a_list_limit_beyond_the_limit_is_400(http, route):
+def test_a_list_limit_beyond_the_limit_is_400(http, gateway, route):
+    with PeakRss(gateway.proc.pid) as rss:
+        resp = http.get(route, params={"limit": 10**9})
+    assert resp.status_code == 400 and names(resp, "LOOPLINE_MAX_LIST_LIMIT"), resp.text
+    assert rss.growth < RSS_BOUND, rss.growth
     resp = http.get(route, params={"limit": MAX_LIST + 1})
     assert resp.status_code == 400 and names(resp, "LOOPLINE_MAX_LIST_LIMIT"), resp.text
     for bad in ({"limit": -1}, {"offset": -5}):
@@ -256,8 +268,10 @@ def test_open_event_streams_per_client_are_capped(gateway):
         threads[-1].start()
     try:
         assert all(ready.wait(10) for ready in opened)
-        refused = httpx.get(f"{gateway.url}/v1/megatron/events", timeout=10)
+        with PeakRss(gateway.proc.pid) as rss:
+            refused = httpx.get(f"{gateway.url}/v1/megatron/events", timeout=10)
         assert refused.status_code == 429, refused.text
+        assert rss.growth < RSS_BOUND, rss.growth
         assert names(refused, "LOOPLINE_MAX_STREAMS_PER_KEY") and f"limit is {MAX_STREAMS}" in refused.text
     finally:
         close.set()
@@ -291,11 +305,13 @@ def test_tinker_sessions_per_key_are_capped_and_their_buckets_expire(http, gatew
     """Before: any client could fill TINKER_SESSIONS and TINKER_SAMPLERS, one record per request,
     kept forever. Now the buckets keep a record LOOPLINE_TINKER_SESSIONS_MAX_AGE_S past its last
     write, and one key (here: one client address) creates at most MAX_SESSIONS within that time."""
-    created = [http.post("/api/v1/create_session", json=SESSION_REQUEST)
-               for _ in range(MAX_SESSIONS)]
-    assert [r.status_code for r in created] == [200] * MAX_SESSIONS, created[-1].text
-    refused = http.post("/api/v1/create_session", json=SESSION_REQUEST)
+    with PeakRss(gateway.proc.pid) as rss:
+        created = [http.post("/api/v1/create_session", json=SESSION_REQUEST)
+                   for _ in range(MAX_SESSIONS)]
+        assert [r.status_code for r in created] == [200] * MAX_SESSIONS, created[-1].text
+        refused = http.post("/api/v1/create_session", json=SESSION_REQUEST)
     assert refused.status_code == 429, refused.text
+    assert rss.growth < RSS_BOUND, rss.growth
     assert names(refused, "LOOPLINE_MAX_TINKER_SESSIONS_PER_KEY")
     assert f"limit is {MAX_SESSIONS}" in refused.text
     assert 0 < int(refused.headers["retry-after"]) <= SESSIONS_TTL_S
