@@ -46,9 +46,11 @@ def keyed(nats_proc, trainer, tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "api_keys.json"
     write_key_file(path, KeyFile(keys=[KeyEntry(name=name, sha256=key_hash(key), scopes=SCOPES[name])
                                        for name, key in KEYS.items()]))
-    # A ScalarLM /v1/generate answers with its request ids after 1 s: no replica answers here.
+    # A ScalarLM /v1/generate answers with its request ids after 1 s: no replica answers here; a
+    # Tinker future not (yet) there is "try again" after 1 s.
     gw = start_gateway(nats_proc.info["url"], tmp_path_factory.mktemp("tenants"),
-                       LOOPLINE_API_KEYS_FILE=str(path), LOOPLINE_RESPONSE_TIMEOUT_S="1")
+                       LOOPLINE_API_KEYS_FILE=str(path), LOOPLINE_RESPONSE_TIMEOUT_S="1",
+                       LOOPLINE_TINKER_POLL_S="1")
     yield gw
     launcher.stop(gw.proc)
 
@@ -288,7 +290,8 @@ def runs(keyed, nats_proc):
     async def finish(nc) -> None:
         store = TinkerStore(nc.jetstream(), nc.max_payload)
         await store.start()
-        await store.finish(FutureResult(request_id=made["a"].future, ok=False, category="user", error="x"))
+        await store.finish(FutureResult(request_id=made["a"].future, model_id=made["a"].run, ok=False,
+                                        category="user", error="x"))
 
     tinker.ask(finish)
     return made
@@ -361,6 +364,18 @@ def test_an_inference_key_reads_no_training_future(keyed, runs, a):
         refused = infer.post("/api/v1/retrieve_future", json={"request_id": runs["a"].future})
         assert refused.status_code == 403 and "'training'" in refused.json()["detail"]
     assert a.post("/api/v1/retrieve_future", json={"request_id": runs["a"].future}).json()["error"] == "x"
+
+
+def test_another_training_keys_future_is_one_nobody_made(runs, a, b, boss):
+    """b knows a's future id (it derives from a's run id): b is told to try again, exactly as for an
+    id nobody made, and never sees a's result; admin does."""
+    unknown = tinker_names.request_id(tinker_names.model_id(tinker_names.new_id(), 0), 0, "optim_step")
+    theirs = b.post("/api/v1/retrieve_future", json={"request_id": runs["a"].future})
+    nobody = b.post("/api/v1/retrieve_future", json={"request_id": unknown})
+    assert theirs.status_code == nobody.status_code == 200, theirs.text
+    assert theirs.json() == {**nobody.json(), "request_id": runs["a"].future}
+    assert theirs.json()["type"] == "try_again"
+    assert boss.post("/api/v1/retrieve_future", json={"request_id": runs["a"].future}).json()["error"] == "x"
 
 
 def test_without_keys_every_tinker_run_is_everyones(gateway, runs):

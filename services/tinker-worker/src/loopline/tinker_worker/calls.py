@@ -94,7 +94,8 @@ class Calls:
             self._loss[model.model_id] = self._loss.get(model.model_id, 0.0) + loss
         proto = encode_forward_backward_output("ArrayRecord", result.outputs, result.metrics)
         payload = await self.store.pack(f"result-{call.request_id}", proto)
-        return FutureResult(request_id=call.request_id, media_type=PROTO, payload=payload)
+        return FutureResult(request_id=call.request_id, model_id=call.model_id, media_type=PROTO,
+                            payload=payload)
 
     async def _optim_step(self, call: StepCall, model: TinkerModel) -> FutureResult:
         body = tt.OptimStepRequest.model_validate_json(call.body)
@@ -201,9 +202,11 @@ def _folder_of(checkpoint: TinkerCheckpoint, jobs_dir: Path) -> Path:
 
 
 def _json(call: StepCall, body: dict[str, Any]) -> FutureResult:
-    return FutureResult(request_id=call.request_id, payload=Payload.inline(json.dumps(body).encode()))
+    return FutureResult(request_id=call.request_id, model_id=call.model_id,
+                        payload=Payload.inline(json.dumps(body).encode()))
 
 
 def _failed(call: StepCall, error: str, category: Any) -> FutureResult:
-    return FutureResult(request_id=call.request_id, ok=False, error=error, category=category)
+    return FutureResult(request_id=call.request_id, model_id=call.model_id, ok=False, error=error,
+                        category=category)
 

@@ -196,7 +196,7 @@ class SessionWorkers:
                 for msg in msgs:
                     call = StepCall.model_validate_json(msg.data)
                     await self.store.finish(FutureResult(
-                        request_id=call.request_id, ok=False, category="user",
+                        request_id=call.request_id, model_id=call.model_id, ok=False, category="user",
                         error=f"the session worker of {call.model_id} stopped before running this call: "
                               f"{why.splitlines()[0]}. Its training state is lost; resume from your last "
                               "save (ServiceClient.create_training_client_from_state)"))

@@ -55,6 +55,9 @@ class FutureResult(BaseModel):
     """One message on ``tinker.futures.<request id>``: what ``retrieve_future`` answers."""
 
     request_id: str
+    # The training run a training call's future is of (None for a sample's): retrieve_future shows
+    # it only to a key that may see that run (gateway auth/tenancy.py).
+    model_id: str | None = None
     ok: bool = True
     media_type: str = "application/json"  # application/x-protobuf for forward_backward
     payload: Payload | None = None

@@ -97,7 +97,7 @@ class TinkerPart:
         future failed at once, with what to do next."""
         if model.state != "active":
             await self.store.finish(FutureResult(
-                request_id=call.request_id, ok=False, category="user",
+                request_id=call.request_id, model_id=call.model_id, ok=False, category="user",
                 error=f"training client {model.model_id} is {model.state}"
                       f"{': ' + model.error if model.error else ''}; create a new one from your last "
                       "saved state (ServiceClient.create_training_client_from_state)"))

@@ -10,6 +10,7 @@ result in TINKER_FUTURES, where ``retrieve_future`` finds it. A request id is de
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -30,7 +31,7 @@ from loopline.common.contracts.tinker_schemas import (
 )
 from loopline.gateway.auth.api_keys import api_key_of
 from loopline.gateway.auth.scopes import ANY_KEY, TRAINING, allows
-from loopline.gateway.auth.tenancy import owner_of, tenant_of
+from loopline.gateway.auth.tenancy import owner_of, sees, tenant_of
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.route_spec import TRAINER, declare
 from loopline.gateway.gateway import gateway_of
@@ -263,6 +264,10 @@ async def retrieve_future(request: Request) -> Response:
                             "needs", param="request_id", type="permission_error")
     if tinker_names.is_training_request_id(rid):
         result = await gateway.tinker.wait(rid, poll_s)
+        if result is not None and not await _sees_run(request, result.model_id):
+            # Another key's run: answered as a future nobody has made yet, after as long a wait.
+            await asyncio.sleep(poll_s)
+            result = None
     else:
         result = await wait_sample(gateway, rid, poll_s)
     if result is None:
@@ -271,6 +276,16 @@ async def retrieve_future(request: Request) -> Response:
     if not result.ok:
         return _json(result.error_body())
     return Response(await gateway.tinker.payload(result.payload), media_type=result.media_type)
+
+
+async def _sees_run(request: Request, model_id: str | None) -> bool:
+    """Whether the request's key may read a training future of run ``model_id`` (auth/tenancy.py);
+    a future that names no run is only for a request that sees everything."""
+    tenant = tenant_of(request)
+    if tenant is None:
+        return True
+    model = await gateway_of(request).tinker.store.model(model_id) if model_id else None
+    return model is not None and sees(tenant, model.owner)
 
 
 def _json(body: dict[str, Any]) -> Response:
