@@ -122,6 +122,15 @@ def test_another_keys_job_is_an_unknown_job(a, b, boss):
     assert b.get(f"/v1/megatron/train/logs/{job[:12]}?follow=false").status_code == 404
 
 
+def test_the_queue_shows_a_key_its_own_jobs_only(a, b, boss):
+    job = submit(a, "a-queued")
+    shown = {name: http.get("/v1/megatron/squeue").json()["squeue_output"] for name, http in
+             (("a", a), ("b", b), ("boss", boss))}
+    # The local launcher's rows name a job by the first 16 digits of its hash.
+    assert job[:16] in shown["a"] and job[:16] in shown["boss"], shown
+    assert job[:16] not in shown["b"] and shown["b"].startswith("JOBID"), shown
+
+
 def test_latest_is_the_callers_own(a, b, boss):
     mine = submit(b, "b-first")
     theirs = submit(a, "a-later")  # newer than b's: 'latest' of every job

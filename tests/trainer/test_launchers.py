@@ -75,6 +75,10 @@ def test_slurm_runs_finds_and_cancels_jobs(slurm_launcher, tmp_path):
     assert slurm_launcher.find("hash-one") == run_id
     assert slurm_launcher.find("hash-other") is None
     assert "hash-one" in slurm_launcher.queue_text()
+    # One tenant's view: its own jobs' rows under squeue's header, nobody else's.
+    assert "hash-one" in slurm_launcher.queue_text(["hash-one"])
+    only_header = slurm_launcher.queue_text(["hash-other"]).splitlines()
+    assert len(only_header) == 1 and "JOBID" in only_header[0], only_header
     assert slurm_launcher.cluster_info() == (0, 1)
     # RUNNING comes before the script starts: with --export naming variables, slurmd first loads
     # the account's login environment (`su - user -c env`, ~2 s here).
@@ -111,6 +115,7 @@ def test_local_runs_survive_their_launcher(tmp_path):
     second = LocalLauncher(runs)
     assert second.find("hash-one") == run_id and second.state(run_id) is LaunchState.RUNNING
     assert run_id in second.queue_text()
+    assert run_id in second.queue_text(["hash-one"]) and run_id not in second.queue_text(["hash-other"])
     log = jobdir.log_path(d, "local", run_id)
     while "started" not in log.read_text():  # its TERM trap is set
         time.sleep(0.05)

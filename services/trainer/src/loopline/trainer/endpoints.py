@@ -119,8 +119,12 @@ class Endpoints:
         return LogLines(job_hash=job.job_hash, lines=lines, finished=job.status.finished)
 
     async def squeue(self, req: Request) -> BaseModel:
+        owner = _parse(req, JobListRequest).owner
         try:
-            text = await asyncio.to_thread(self.control.launcher.queue_text)
+            # A tenant sees its own jobs' rows only (gateway auth/tenancy.py); None: every row.
+            jobs = None if owner is None else [job.job_hash for job in
+                                               await asyncio.to_thread(self.control.registry.list, owner)]
+            text = await asyncio.to_thread(self.control.launcher.queue_text, jobs)
         except LauncherError as exc:
             return SqueueReply(squeue_output="", error_message=str(exc))
         return SqueueReply(squeue_output=text)

@@ -223,7 +223,7 @@ SVC_TRAINER_CANCEL = "svc.trainer.cancel"      # JobRef -> JobInfo
 SVC_TRAINER_DELETE = "svc.trainer.delete"      # JobRef -> JobInfo
 SVC_TRAINER_RESTART = "svc.trainer.restart"    # JobRef -> JobInfo (409 unless FAILED/CANCELLED)
 SVC_TRAINER_LOGS = "svc.trainer.logs"          # LogsRequest -> LogLines
-SVC_TRAINER_SQUEUE = "svc.trainer.squeue"      # {} -> SqueueReply
+SVC_TRAINER_SQUEUE = "svc.trainer.squeue"      # JobListRequest -> SqueueReply
 SVC_TRAINER_CLUSTER = "svc.trainer.cluster"    # {} -> ClusterInfo
 SVC_TRAINER_STATUS = "svc.trainer.status"      # {} -> ServiceStatus
 # Tinker: a training client's model placed on a session worker (started when none serves its base).

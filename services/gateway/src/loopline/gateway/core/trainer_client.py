@@ -81,8 +81,8 @@ class TrainerClient:
     async def logs(self, request: LogsRequest) -> LogLines:
         return await self.call(subjects.SVC_TRAINER_LOGS, request, LogLines)
 
-    async def squeue(self) -> SqueueReply:
-        return await self.call(subjects.SVC_TRAINER_SQUEUE, None, SqueueReply)
+    async def squeue(self, owner: OwnerFilter = None) -> SqueueReply:
+        return await self.call(subjects.SVC_TRAINER_SQUEUE, JobListRequest(owner=owner), SqueueReply)
 
     async def cluster(self) -> ClusterInfo:
         return await self.call(subjects.SVC_TRAINER_CLUSTER, None, ClusterInfo)

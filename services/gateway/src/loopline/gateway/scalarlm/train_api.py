@@ -94,7 +94,8 @@ async def restart(job: str, request: Request):
 
 @router.get("/squeue", **declare(TRAINING, TRAINER))
 async def squeue(request: Request):
-    return (await trainer_of(request).squeue()).model_dump()
+    """Slurm's queue; a tenant's key sees only its own jobs' rows (auth/tenancy.py)."""
+    return (await trainer_of(request).squeue(tenant_of(request))).model_dump()
 
 
 @router.get("/gpu_count", **declare(TRAINING, TRAINER))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -70,8 +71,9 @@ class Launcher(Protocol):
     def find(self, job_hash: str) -> str | None:
         """A live run of this job, if any: after a crash between submitting and recording it."""
 
-    def queue_text(self) -> str:
-        """What is queued and running, as text for humans (``squeue``)."""
+    def queue_text(self, jobs: Collection[str] | None = None) -> str:
+        """What is queued and running, as text for humans (``squeue``): of every job, or only of
+        the ``jobs`` named (job hashes: one tenant's, gateway auth/tenancy.py)."""
 
     def cluster_info(self) -> tuple[int, int]:
         """(gpu count, node count)."""

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from loopline.common.atomic_files import write_atomic
@@ -157,10 +158,11 @@ class LocalLauncher:
                 return run_id
         return None
 
-    def queue_text(self) -> str:
+    def queue_text(self, jobs: Collection[str] | None = None) -> str:
+        wanted = None if jobs is None else set(jobs)
         lines = [f"{'JOBID':<20} {'NAME':<16} {'STATE':<10} PID"]
         for run_id, record in self._runs():
-            if self._alive(run_id, record):
+            if (wanted is None or record["job_hash"] in wanted) and self._alive(run_id, record):
                 lines.append(f"{run_id:<20} {record['job_hash'][:16]:<16} {'RUNNING':<10} {record['pid']}")
         return "\n".join(lines) + "\n"
 

@@ -12,11 +12,15 @@ import os
 import re
 import shlex
 import subprocess
+from collections.abc import Collection
 
 from loopline.common.contracts.job_env import job_environment
 from loopline.common.contracts.job_layout import ENTRYPOINT_FILE
 from loopline.trainer import jobdir
 from loopline.trainer.launchers import LauncherError, LaunchSpec, LaunchState
+
+# squeue's NAME column wide enough for a job hash (64 hex digits).
+JOB_NAME_WIDTH = 64
 
 COMMAND_TIMEOUT_S = 30
 # Slurm sends SIGTERM this long before the time limit: the program checkpoints and exits.
@@ -177,8 +181,16 @@ class SlurmLauncher:
                 return run_id
         return None
 
-    def queue_text(self) -> str:
-        return self._run("squeue").stdout
+    def queue_text(self, jobs: Collection[str] | None = None) -> str:
+        if jobs is None:
+            return self._run("squeue").stdout
+        # squeue's default columns with the name in full (a job hash: the default cuts it to 8),
+        # kept to the named jobs here rather than by `-n`, which one argument of 128 KiB bounds.
+        out = self._run("squeue", "-o", f"%.18i %.9P %.{JOB_NAME_WIDTH}j %.8u %.2t %.10M %.6D %R").stdout
+        header, *rows = out.splitlines() or [""]
+        wanted = set(jobs)
+        kept = [row for row in rows if (cols := row.split())[2:3] and cols[2] in wanted]
+        return "\n".join([header, *kept]) + "\n"
 
     def cluster_info(self) -> tuple[int, int]:
         out = self._run("scontrol", "show", "nodes", "-o")
