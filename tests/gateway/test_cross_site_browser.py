@@ -204,6 +204,10 @@ def test_a_page_of_another_site_can_neither_train_nor_clear_nor_infer(
         answer = rebound.evaluate('fetch("/v1/generate/clear_queue", {method: "POST"})'
                                   '.then(async r => [r.status, (await r.json()).detail])')
         assert answer[0] == 403 and "DNS rebinding" in answer[1], answer
+        # Nor can it read: its GETs are same-origin to the browser, which would hand it the answer.
+        read = rebound.evaluate('fetch("/v1/megatron/list_models")'
+                                '.then(async r => [r.status, await r.text()])')
+        assert read[0] == 403 and "DNS rebinding" in read[1], read
 
         # From the gateway's own origin the same requests work: the queue still holds its one
         # completion (the cross-site clear cleared nothing), which the clear now cancels (410) ...

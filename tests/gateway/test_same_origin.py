@@ -102,12 +102,32 @@ async def test_a_loopback_gateway_reached_by_another_name_is_refused(gateway_cli
         for name in ("localhost:8000", "app.localhost:8000", "127.0.0.2:8000", "[::1]:8000", "127.0.0.1"):
             own = {"Host": name, "Origin": f"http://{name}", "Sec-Fetch-Site": "same-origin"}
             assert (await http.post(ROUTE, headers=own)).json() == {}, name
-        # A client that is not a browser may use any name (an /etc/hosts alias).
-        assert (await http.post(ROUTE, headers={"Host": "evil.example:8000"})).json() == {}
+        # A rebound page's plain-http fetches look like any client's: the name decides, whoever asks.
+        resp = await http.post(ROUTE, headers={"Host": "evil.example:8000"})
+        assert resp.status_code == 403 and "localhost or 127.0.0.1" in resp.json()["detail"], resp.text
     async with gateway_client(allowed_origins="http://evil.example:8000") as http:  # trusted, then
         assert (await http.post(ROUTE, headers=rebound)).json() == {}
     async with gateway_client(host="0.0.0.0") as http:  # a served name's own pages
         assert (await http.post(ROUTE, headers=rebound)).json() == {}
+
+
+async def test_a_rebound_page_cannot_read_a_loopback_gateway_either(gateway_client):
+    # After rebinding, the page's GETs are same-origin to the browser, which hands it the answer;
+    # over plain http they carry no Origin and no Sec-Fetch-Site: only the name tells.
+    rebound = {"Host": "evil.example:8000"}
+    async with gateway_client() as http:
+        resp = await http.get("/v1/models", headers=rebound)
+        assert resp.status_code == 403 and "DNS rebinding" in resp.text, resp.text
+        resp = await http.get("/v1/megatron/events", headers={**rebound, "Sec-Fetch-Site": "same-origin"})
+        assert resp.status_code == 403 and "DNS rebinding" in resp.json()["detail"], resp.text
+        # Its own names, and a page of a trusted origin, still read.
+        for headers in ({"Host": "localhost:8000", "Sec-Fetch-Site": "same-origin"},
+                        {"Host": "127.0.0.1:8000"},
+                        {**rebound, "Origin": TRUSTED}):
+            resp = await http.get("/v1/health/keepalive", headers=headers)
+            assert resp.json() == {"status": "ok"}, headers
+    async with gateway_client(host="0.0.0.0") as http:  # a served name: its pages are its own
+        assert (await http.get("/v1/health/keepalive", headers=rebound)).json() == {"status": "ok"}
 
 
 async def test_the_origin_a_tls_ending_proxy_forwards_is_the_gateways_own(gateway_client):

@@ -65,11 +65,11 @@ def create_app(settings: GatewaySettings, gateway: Gateway) -> FastAPI:
                     "or listen on 127.0.0.1", settings.host)
     # Outside the keys and the body limit: a browser page of another origin is refused before its
     # key is looked at or any of its body read.
-    app.add_middleware(SameOrigin, allowed=settings.allowed_origin_set,
-                       loopback=_is_loopback(settings.host))
+    loopback = _is_loopback(settings.host)
+    app.add_middleware(SameOrigin, allowed=settings.allowed_origin_set, loopback=loopback)
     app.add_middleware(TraceRequests)
     # The document lists every route's statuses and vLLM's request bodies (openapi_docs.py).
-    openapi_docs.install(app, api_keys=keyed)
+    openapi_docs.install(app, api_keys=keyed, loopback=loopback)
     return app
 
 

@@ -170,7 +170,9 @@ class GatewaySettings(CommonSettings):
         "Comma-separated origins (`https://app.example.com`) of web pages whose browsers may send "
         "the gateway state-changing requests (anything but GET, HEAD, OPTIONS) besides its own "
         "origin; other pages' get 403, decided from `Origin` and `Sec-Fetch-Site`. Clients that are "
-        "not browsers send neither header and are not affected."))
+        "not browsers send neither header and are not affected. On a loopback `LOOPLINE_HOST` every "
+        "request must also name the gateway `localhost` or a loopback address (DNS rebinding), "
+        "unless it comes from one of these origins."))
 
     @property
     def api_key_set(self) -> frozenset[str]:

@@ -63,9 +63,12 @@ MIDDLEWARE_STATUSES = {
          "`Retry-After`",
     413: "the body is larger than the limit (`LOOPLINE_MAX_BODY_BYTES`, or the upload limit)",
 }
-# What SameOrigin (auth/same_origin.py) answers on every method that can change state.
+# What SameOrigin (auth/same_origin.py) answers on every method that can change state, and on a
+# loopback gateway on every method.
 CROSS_SITE_403 = ("a browser page of another origin sent the request (`Origin`, `Sec-Fetch-Site`; "
                   "the message says which): trusted origins are listed in `LOOPLINE_ALLOWED_ORIGINS`")
+REBOUND_403 = ("the request named this gateway, which listens on a loopback address, by a name that is "
+               "not this machine's (`Host`; DNS rebinding): ask it as localhost or 127.0.0.1")
 
 
 @cache
@@ -90,21 +93,22 @@ def route_docs(path: str) -> dict[str, Any]:
             "openapi_extra": {SCOPE: INFERENCE, "requestBody": vllm["requestBody"]}}
 
 
-def install(app: FastAPI, *, api_keys: bool) -> None:
+def install(app: FastAPI, *, api_keys: bool, loopback: bool = False) -> None:
     """Make ``app.openapi()`` the complete document: vLLM's schemas merged in, each route's
     declared statuses in their error shape, and what the middleware answers (``api_keys``: whether
-    401 can be)."""
+    401 can be; ``loopback``: whether the gateway listens on a loopback address, where a browser's
+    read can be refused too)."""
     build: Callable[[], dict[str, Any]] = app.openapi  # FastAPI's own; it caches in openapi_schema
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            complete(build(), api_keys=api_keys)
+            complete(build(), api_keys=api_keys, loopback=loopback)
         return app.openapi_schema  # type: ignore[return-value]  # build() set it
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customise it
 
 
-def complete(doc: dict[str, Any], *, api_keys: bool) -> None:
+def complete(doc: dict[str, Any], *, api_keys: bool, loopback: bool = False) -> None:
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     for name, schema in {**vllm_document()["components"]["schemas"], "GatewayError": GATEWAY_ERROR}.items():
         if schemas.setdefault(name, schema) != schema:
@@ -133,11 +137,13 @@ def complete(doc: dict[str, Any], *, api_keys: bool) -> None:
             for status, text in statuses.items():
                 responses.setdefault(str(status), {"description": text,
                                                    "content": {"application/json": {"schema": error}}})
-            if method.upper() not in SAFE_METHODS:
-                # Beside a route's own or the key's 403, both causes are listed.
+            browser = [*([] if method.upper() in SAFE_METHODS else [CROSS_SITE_403]),
+                       *([REBOUND_403] if loopback else [])]
+            if browser:
+                # Beside a route's own or the key's 403, every cause is listed.
                 refused = responses.setdefault("403", {"description": "",
                                                        "content": {"application/json": {"schema": error}}})
-                refused["description"] = "; or ".join(filter(None, [refused["description"], CROSS_SITE_403]))
+                refused["description"] = "; or ".join(filter(None, [refused["description"], *browser]))
 
 
 # --- vllm_openapi.json, from vLLM itself (needs vLLM installed) -------------------------------------
