@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +16,7 @@ import pytest
 
 from loopline.common.local import launcher
 from support.deploy import COMPOSE_STACKS, DOCKERFILE, ROOT, compose_config, dockerfile_stages
+from support.gateway_process import wait_until_up
 
 SCRIPT = ROOT / "deploy" / "docker" / "gateway_keys.py"
 KEYS_MOUNT = "/var/lib/loopline/keys"
@@ -49,17 +49,8 @@ def _start(keys_file: Path, open_value: str, nats_url: str, state: Path) -> tupl
             env=_env(LOOPLINE_NATS_URL=nats_url, LOOPLINE_STATE_DIR=str(state), LOOPLINE_PORT=str(port),
                      LOOPLINE_API_KEYS_FILE=f"{KEYS_MOUNT}/api-keys.json"))  # compose's, overridden
     proc, url = launcher.Proc("gateway", popen, log), f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/v1/health/keepalive", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if not proc.alive() or time.monotonic() > deadline:
-            launcher.stop(proc)
-            raise AssertionError(f"the gateway did not start:\n{proc.log_tail()}")
-        time.sleep(0.1)
+    wait_until_up(proc, url)
+    return proc, url
 
 
 def test_first_start_makes_one_key_prints_it_once_and_the_gateway_wants_it(nats_url, tmp_path):

@@ -43,11 +43,18 @@ def start_gateway(nats_url: str, state: Path, port: int | None = None, **env: st
     }
     proc = launcher.start_service("gateway", env, state / "gateway.log")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    wait_until_up(proc, url)
+    return Gateway(url, proc, state)
+
+
+def wait_until_up(proc: launcher.Proc, url: str, timeout_s: float = 60.0) -> None:
+    """Until the gateway at ``url`` answers its keep-alive probe; stopped, and its log raised, if
+    it exits or does not answer within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
             if httpx.get(f"{url}/v1/health/keepalive", timeout=1).status_code == 200:
-                return Gateway(url, proc, state)
+                return
         except httpx.HTTPError:
             pass
         if not proc.alive() or time.monotonic() > deadline:
