@@ -7,8 +7,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from tinker.types import Datum
+from tinker.types import AdamParams, Datum
 
+from loopline.common.contracts.tinker_schemas import LoraSpec
 from loopline.tinker_worker.losses import LOSSES, check_data, resolve
 from loopline.tinker_worker.types import UserError
 from support.tinker_data import make_datum
@@ -114,3 +115,99 @@ def test_inputs_come_back_typed():
         check_data(LOSSES["cross_entropy"], [], vocab_size=1024, max_tokens=8)
     with pytest.raises(UserError, match="more than the model's 2"):
         check_data(LOSSES["cross_entropy"], [_datum(target_tokens=[1, 2, 3])], vocab_size=1024, max_tokens=2)
+
+
+# --- cross-entropy on (N, K) soft targets ------------------------------------------------------------
+
+def _soft(datum: Datum, k: int, seed: int) -> Datum:
+    """The datum's positions with K candidate tokens each and teacher-like weights: a distribution
+    over the K (renormalised top-K, as the cookbook's sdft builds them) on weighted positions, 0 on
+    the others."""
+    rng = np.random.default_rng(seed)
+    inputs = {key: v.to_numpy() for key, v in datum.loss_fn_inputs.items()}
+    n = datum.model_input.length
+    targets = rng.integers(0, 1024, size=(n, k))
+    targets[:, 0] = inputs["target_tokens"]
+    probs = rng.dirichlet(np.ones(k), size=n).astype(np.float32)
+    weights = probs * (inputs["weights"] > 0)[:, None]
+    return make_datum(datum.model_input.to_ints(), {"target_tokens": targets, "weights": weights})
+
+
+def _soft_reference(tiny_path: str, datum: Datum) -> tuple[float, np.ndarray]:
+    """H(q, p) = -sum_n sum_v q_n(v) log p_n(v) from a separately loaded HF model, with q_n the dense
+    distribution that puts weights[n, k] on target_tokens[n, k] (torch's probability-target
+    cross-entropy, another code path than the worker's gather), and the (N, K) logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+    inputs = {key: torch.from_numpy(v.to_numpy()) for key, v in datum.loss_fn_inputs.items()}
+    with torch.no_grad():
+        logits = model(torch.tensor([datum.model_input.to_ints()])).logits[0]
+    dense = torch.zeros_like(logits).index_put_((torch.arange(logits.shape[0])[:, None].expand_as(
+        inputs["target_tokens"]), inputs["target_tokens"]), inputs["weights"].float(), accumulate=True)
+    loss = torch.nn.functional.cross_entropy(logits, dense, reduction="sum")
+    logprobs = torch.log_softmax(logits.double(), -1).gather(1, inputs["target_tokens"]).float()
+    return float(loss), logprobs.numpy()
+
+
+def test_soft_target_cross_entropy_matches_an_independent_computation(clients, new_id, sft_data, tiny_path):
+    model = new_id()
+    clients.create(model, LoraSpec(rank=8, seed=3))  # B = 0: the learner is the base model
+    soft = [_soft(d, k, seed) for seed, (d, k) in enumerate(zip(sft_data, [20, 5, 1], strict=True))]
+    result = clients.forward_backward(model, soft, "cross_entropy", forward_only=True)
+    expected = 0.0
+    for datum, output in zip(soft, result.outputs, strict=True):
+        value, logprobs = _soft_reference(tiny_path, datum)
+        assert output["logprobs"].shape == datum.loss_fn_inputs["target_tokens"].to_numpy().shape
+        np.testing.assert_allclose(output["logprobs"], logprobs, atol=1e-4)
+        expected += value
+    assert result.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_soft_targets_with_one_candidate_are_hard_targets(clients, new_id, sft_data):
+    """(N, 1) targets, and (N, 2) ones that split a weight over the same token twice, give the (N,)
+    cross-entropy's loss, logprobs and gradient; (N,) and (N, K) datums mix in one call."""
+    def run(data):
+        model = new_id()
+        clients.create(model, LoraSpec(rank=8, seed=3, train_unembed=True))
+        clients.optim_step(model, AdamParams(learning_rate=1e-2))  # no gradient yet: B stays 0
+        # One step with a nonzero gradient moves B off 0, so the next gradient reaches every param.
+        clients.forward_backward(model, sft_data, "cross_entropy")
+        clients.optim_step(model, AdamParams(learning_rate=1e-2))
+        result = clients.forward_backward(model, data, "cross_entropy")
+        grads = [p.grad.clone() for p in clients._client(model).params]
+        clients.drop(model)
+        return result, grads
+
+    def reshaped(datum, columns):
+        x = {key: v.to_numpy() for key, v in datum.loss_fn_inputs.items()}
+        return make_datum(datum.model_input.to_ints(), {
+            "target_tokens": np.repeat(x["target_tokens"][:, None], columns, 1),
+            "weights": np.repeat(x["weights"][:, None] / columns, columns, 1)})
+
+    hard, hard_grads = run(sft_data)
+    mixed = [reshaped(sft_data[0], 1), reshaped(sft_data[1], 2), sft_data[2]]
+    soft, soft_grads = run(mixed)
+    assert soft.metrics["loss:sum"] == pytest.approx(hard.metrics["loss:sum"], rel=1e-5)
+    np.testing.assert_allclose(soft.outputs[0]["logprobs"][:, 0], hard.outputs[0]["logprobs"], atol=1e-5)
+    np.testing.assert_allclose(soft.outputs[1]["logprobs"], np.repeat(hard.outputs[1]["logprobs"][:, None],
+                                                                     2, 1), atol=1e-5)
+    assert soft.outputs[2]["logprobs"].shape == hard.outputs[2]["logprobs"].shape
+    assert any(g.abs().sum() > 0 for g in hard_grads)
+    for a, b in zip(soft_grads, hard_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("loss_fn", "inputs", "message"), [
+    ("cross_entropy", {"target_tokens": np.ones((3, 2), np.int64), "weights": np.ones(3, np.float32)},
+     "loss_fn_inputs['weights'] has shape (3,), the model input has 3 tokens: it must be (3, 2)"),
+    ("cross_entropy", {"target_tokens": np.ones((3, 0), np.int64)}, "it must be (3,) or (3, K) with K >= 1"),
+    ("cross_entropy", {"target_tokens": np.ones((3, 2, 2), np.int64)}, "or (3, K)"),
+    ("cross_entropy", {"target_tokens": np.full((3, 2), 1024, np.int64)}, "[0, 1024)"),
+    ("importance_sampling", {"target_tokens": np.ones((3, 2), np.int64), "logprobs": np.zeros((3, 2)),
+                             "advantages": np.zeros((3, 2))}, "it must be (3,)"),
+])
+def test_bad_soft_targets_are_user_errors(loss_fn, inputs, message):
+    with pytest.raises(UserError) as caught:
+        check_data(LOSSES[loss_fn], [_datum(**inputs)], vocab_size=1024, max_tokens=None)
+    assert message in str(caught.value)

@@ -51,8 +51,13 @@ class Batch:
     lengths: list[int]
     input_ids: Tensor  # (b, T) int64, right-padded with 0
     attention_mask: Tensor  # (b, T) int64, 1 on real tokens
-    targets: Tensor  # (b, T) int64
-    inputs: dict[str, Tensor]  # the loss's other inputs, (b, T) float32
+    targets: Tensor  # (b, T) int64, or (b, T, K) when a datum has soft targets
+    inputs: dict[str, Tensor]  # the loss's other inputs, float32, the shape of targets
+    widths: list[int | None]  # each datum's K (None: its targets are (n,))
+
+    @property
+    def soft(self) -> bool:
+        return self.targets.dim() == 3
 
     @property
     def real(self) -> Tensor:
@@ -62,23 +67,30 @@ class Batch:
 def build(indices: list[int], data: list[tt.Datum], arrays: list[dict[str, np.ndarray]], loss: Loss,
           config: dict[str, float], device: torch.device) -> Batch:
     """Right padding: with a causal model a real token never attends to a pad after it, so each row
-    computes exactly what it would alone."""
+    computes exactly what it would alone. When a datum has (n, K) soft targets the batch's are
+    (b, T, K) with K the widest: narrower datums, and (n,) ones in column 0, are padded with target
+    0 and every input 0 (weight 0: a padded cell adds nothing to a cross-entropy)."""
     lengths = [data[i].model_input.length for i in indices]
+    widths = [int(arrays[i][TARGETS].shape[1]) if arrays[i][TARGETS].ndim == 2 else None for i in indices]
     rows, width = len(indices), max(lengths)
+    k = max((w for w in widths if w is not None), default=None)
+    cells = (rows, width) if k is None else (rows, width, k)
     ids = np.zeros((rows, width), dtype=np.int64)
     attention = np.zeros((rows, width), dtype=np.int64)
-    targets = np.zeros((rows, width), dtype=np.int64)
-    keys = [k for k in (*loss.required, *loss.optional) if k != TARGETS]
-    inputs = {k: np.zeros((rows, width), dtype=np.float32) for k in keys}
-    for row, (i, n) in enumerate(zip(indices, lengths, strict=True)):
+    targets = np.zeros(cells, dtype=np.int64)
+    keys = [key for key in (*loss.required, *loss.optional) if key != TARGETS]
+    inputs = {key: np.zeros(cells, dtype=np.float32) for key in keys}
+    for row, (i, n, w) in enumerate(zip(indices, lengths, widths, strict=True)):
         ids[row, :n] = data[i].model_input.to_ints()
         attention[row, :n] = 1
-        targets[row, :n] = arrays[i][TARGETS]
+        # Where this datum's values go: (row, :n) alone, or its (n, w) block of the (b, T, K) cells.
+        at = (row, slice(0, n)) if k is None else (row, slice(0, n), slice(0, w) if w is not None else 0)
+        targets[at] = arrays[i][TARGETS]
         for key in keys:
-            inputs[key][row, :n] = arrays[i][key] if key in arrays[i] else fill_value(loss, config, key)
+            inputs[key][at] = arrays[i][key] if key in arrays[i] else fill_value(loss, config, key)
 
     def tensor(a: np.ndarray) -> Tensor:
         return torch.from_numpy(a).to(device)
 
     return Batch(indices, lengths, tensor(ids), tensor(attention), tensor(targets),
-                 {k: tensor(v) for k, v in inputs.items()})
+                 {key: tensor(v) for key, v in inputs.items()}, widths)

@@ -11,6 +11,11 @@ the target token (computed here), ``s`` the sampler's (input ``logprobs``) and `
     cispo                 -sg(clip(r, low, high)) * lp * A              sg: no gradient through it
     dro                   -(lp * A - beta / 2 * (lp - s)^2)
 
+Cross-entropy also takes soft targets: ``target_tokens`` and ``weights`` of shape (N, K), K
+candidate tokens per position (a teacher's top K, say), and then sums ``-lp[n, k] * weights[n, k]``
+over both axes (docs/tinker.md, "Cross-entropy on soft targets", gives the sources). Its output
+``logprobs`` has the shape of ``target_tokens``.
+
 ``low``/``high`` are thresholds on the ratio itself (documented defaults 0.8 / 1.2); a datum may
 also carry them per token as inputs (the SDK types those keys). DRO's ``beta`` has no documented
 default, so it is required. The RL losses take no ``weights``: Tinker refuses inputs a loss does
@@ -73,12 +78,13 @@ class Loss:
     # optional inputs -> the config key whose value fills a datum that lacks it (None: 1.0)
     optional: Mapping[str, str | None]
     config: Mapping[str, float | None]  # loss_fn_config keys and defaults; None: required
+    soft_targets: bool = False  # takes (N, K) target_tokens (and inputs of that shape) as well as (N,)
 
 
 _RL = (TARGETS, "logprobs", "advantages")
 _CLIPS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 LOSSES: dict[str, Loss] = {loss.name: loss for loss in (
-    Loss("cross_entropy", cross_entropy, (TARGETS,), {"weights": None}, {}),
+    Loss("cross_entropy", cross_entropy, (TARGETS,), {"weights": None}, {}, soft_targets=True),
     Loss("importance_sampling", importance_sampling, _RL, {}, {}),
     Loss("ppo", ppo, _RL, {k: k for k in _CLIPS}, _CLIPS),
     Loss("cispo", cispo, _RL, {k: k for k in _CLIPS}, _CLIPS),
@@ -138,11 +144,13 @@ def check_data(loss: Loss, data: list[tt.Datum], vocab_size: int,
         if missing:
             raise UserError(f"datum {i}: {loss.name} needs loss_fn_inputs {missing}")
         arrays = {}
+        # Every input has the shape of target_tokens: (n,), or (n, K) where the loss takes soft targets.
+        shape = _targets_shape(loss, i, datum.loss_fn_inputs[TARGETS].to_numpy().shape, n)
         for key, value in datum.loss_fn_inputs.items():
             array = value.to_numpy()
-            if array.shape != (n,):
+            if array.shape != shape:
                 raise UserError(f"datum {i}: loss_fn_inputs[{key!r}] has shape {array.shape}, the "
-                                f"model input has {n} tokens: it must be ({n},)")
+                                f"model input has {n} tokens: it must be {shape}")
             if key == TARGETS:
                 if array.dtype.kind not in "iu" or array.min() < 0 or array.max() >= vocab_size:
                     raise UserError(f"datum {i}: target_tokens must be token ids in [0, {vocab_size})")
@@ -153,6 +161,17 @@ def check_data(loss: Loss, data: list[tt.Datum], vocab_size: int,
                 arrays[key] = array.astype(np.float32)
         checked.append(arrays)
     return checked
+
+
+def _targets_shape(loss: Loss, i: int, shape: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """The shape every input of datum ``i`` must have, from its target_tokens' shape."""
+    if loss.soft_targets and len(shape) == 2 and shape[0] == n and shape[1] >= 1:
+        return shape
+    if shape == (n,):
+        return shape
+    wanted = f"({n},) or ({n}, K) with K >= 1" if loss.soft_targets else f"({n},)"
+    raise UserError(f"datum {i}: loss_fn_inputs[{TARGETS!r}] has shape {shape}, the model input has {n} "
+                    f"tokens: it must be {wanted}")
 
 
 def fill_value(loss: Loss, config: dict[str, float], key: str) -> float:

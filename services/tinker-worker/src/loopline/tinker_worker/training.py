@@ -145,15 +145,25 @@ class TrainingClients:
                     with torch.set_grad_enabled(not forward_only):
                         logits = self.base.model(input_ids=batch.input_ids,
                                                  attention_mask=batch.attention_mask).logits
-                        logprobs = -F.cross_entropy(logits.transpose(1, 2), batch.targets, reduction="none")
+                        real = batch.real
+                        if batch.soft:  # (b, T, K): the logprob of each of K candidate tokens
+                            logprobs = logits.log_softmax(-1).gather(-1, batch.targets)
+                            real = real.unsqueeze(-1)
+                        else:
+                            logprobs = -F.cross_entropy(logits.transpose(1, 2), batch.targets,
+                                                        reduction="none")
                         per_token = loss.per_token(logprobs, batch.inputs, config)
-                        summed = torch.where(batch.real, per_token, 0.0).sum()
+                        summed = torch.where(real, per_token, 0.0).sum()
                         if not forward_only:
                             summed.backward()
                     total += float(summed.detach())
                     rows = logprobs.detach().float().cpu().numpy()
-                    for row, (i, n) in enumerate(zip(batch.indices, batch.lengths, strict=True)):
-                        outputs[i] = {"logprobs": rows[row, :n].copy()}
+                    for row, (i, n, w) in enumerate(zip(batch.indices, batch.lengths, batch.widths,
+                                                        strict=True)):
+                        out = rows[row, :n]
+                        if batch.soft:  # each datum's logprobs have its own target_tokens' shape
+                            out = out[:, :w] if w is not None else out[:, 0]
+                        outputs[i] = {"logprobs": out.copy()}
             except BaseException:
                 if before is not None:
                     for param, grad in zip(client.params, before, strict=True):
