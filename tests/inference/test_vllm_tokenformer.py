@@ -52,7 +52,7 @@ GENERATED = 3
 # --- adapters and the reference ---------------------------------------------------------------
 
 
-def make_checkpoint(root, tiny: str, name: str, kind: str, seed: int, tokenformer=None):
+def make_checkpoint(root, tiny: str, name: str, kind: str, seed: int, tokenformer=None, lora=None):
     """A checkpoint as the trainer writes it (prepare_model, adapter_config, save_checkpoint), with
     random V / lora_B instead of training, so the adapter visibly changes the logits."""
     from transformers import AutoModelForCausalLM
@@ -61,7 +61,7 @@ def make_checkpoint(root, tiny: str, name: str, kind: str, seed: int, tokenforme
     from loopline.ml.train.checkpoint import save_checkpoint
 
     model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
-    model, fields = adapter_io.prepare_model(model, kind, tokenformer=tokenformer or {}, lora=LORA,
+    model, fields = adapter_io.prepare_model(model, kind, tokenformer=tokenformer or {}, lora=lora or LORA,
                                              base_model=tiny, seed=seed)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -125,9 +125,8 @@ async def server(tiny):
         "--max-cpu-loras", "4",
         # vLLM's "logprobs" are then the raw logits, for any number of tokens.
         "--max-logprobs", "-1", "--logprobs-mode", "raw_logits",
-        # Only the projections: vLLM 0.32 otherwise wraps lm_head for LoRA too, and its LoRA
-        # logits path fails on prompt_logprobs of several requests in one batch.
-        "--lora-target-modules", *ALL_TARGETS,
+        # No --lora-target-modules: lm_head is wrapped for LoRA too, as in a replica, so the
+        # prompt logprobs below go through vLLM's LoRA logits path (lora_logits_vllm).
     ]
     flags = serve_flags(tiny, served_name="tiny", max_inflight=8, dtype="float32", max_model_len=256,
                         adapters=True, max_adapters=3, max_adapter_rank=32, extra=" ".join(extra))
@@ -282,8 +281,9 @@ def _rows(entries, vocab: int) -> torch.Tensor:
     return torch.tensor([[entry[token].logprob for token in range(vocab)] for entry in entries])
 
 
-async def _one_batch(llm, requests: dict, prompts: dict, tag: str) -> dict:
-    """Raw logits of every prompt and generated position, all requests started in one batch.
+async def _one_batch(llm, requests: dict, prompts: dict, tag: str, params: dict | None = None) -> dict:
+    """Raw logits of every prompt and generated position (or what ``params[name]`` asks), all
+    requests started in one batch.
 
     The scheduler is held while the requests arrive, so they start in one forward (and then decode
     together) rather than in whatever steps they happen to reach the engine process.
@@ -291,11 +291,14 @@ async def _one_batch(llm, requests: dict, prompts: dict, tag: str) -> dict:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(max_tokens=GENERATED, temperature=0.0, prompt_logprobs=-1, logprobs=-1,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
+    every = SamplingParams(max_tokens=GENERATED, temperature=0.0, prompt_logprobs=-1, logprobs=-1,
+                           output_kind=RequestOutputKind.FINAL_ONLY)
+    params = params or {}
+    tasks = {}
     await llm.pause_generation(mode="keep", clear_cache=False)
-    tasks = {name: asyncio.create_task(_final(llm, prompts[name], params, f"{tag}-{name}", lr))
-             for name, lr in requests.items()}
+    for name, lr in requests.items():
+        params_of = params.get(name, every)
+        tasks[name] = asyncio.create_task(_final(llm, prompts[name], params_of, f"{tag}-{name}", lr))
     for _ in range(500):
         if llm.output_processor.get_num_unfinished_requests() == len(tasks):
             break
@@ -424,3 +427,73 @@ async def test_greedy_generation_matches_transformers(server, lora_requests, che
     assert dict(zip(lora_requests, got, strict=True)) == expected
     # Four different answers to one prompt: each adapter changes what is generated.
     assert len({text for text, _, _ in expected.values()}) == len(expected), expected
+
+
+@needs_vllm
+@on_module_loop
+async def test_topk_prompt_logprobs_on_adapters_in_one_batch_then_serving_goes_on(
+        server, lora_requests, checkpoints, tmp_path_factory, tokenizer, tiny):
+    """Tinker's ``compute_logprobs`` (top-k prompt logprobs, max_tokens 1) on a LoRA that trains
+    the unembedding (as Tinker's ``train_unembed`` default does) and on a Tokenformer, in one batch
+    beside requests without prompt logprobs. vLLM 0.32 alone took each prompt row's lm_head LoRA
+    slot from the batch's per-request indices and its engine died (``einsum(): subscript b has
+    size 3 ... previously seen size 22``, issue 24); see lora_logits_vllm. The prompt logprobs
+    must be the reference's, and the engine must serve the next request."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import RequestOutputKind
+
+    from loopline.inference.adapters_vllm import to_vllm_lora
+
+    root = tmp_path_factory.mktemp("unembed")
+    unembed_ck = make_checkpoint(root, tiny, "lora-unembed", "lora", 14,
+                                 lora={**LORA, "target_modules": ["q_proj", "v_proj", "lm_head"]})
+    unembed = LoRARequest("lora-unembed", 6, to_vllm_lora(unembed_ck, root / "vllm")[0])
+    await server.llm.add_lora(unembed)
+    requests = {"lora-unembed": unembed, "tokenformer-a": lora_requests["tokenformer-a"],
+                "lora": lora_requests["lora"], "base": None}
+    texts = {"lora-unembed": "The quick brown fox jumps over the lazy dog, and then it runs away",
+             "tokenformer-a": "What is the capital of France? It is Paris, of course.",
+             "lora": PROMPTS["lora"], "base": PROMPTS["base"]}
+    prompts = {name: tokenizer.encode(text) for name, text in texts.items()}
+    k = 5
+    # As the gateway asks for compute_logprobs: 1 token, top-k prompt logprobs. The other two
+    # sample without prompt logprobs, so the batch's sampled rows (4) differ from any prompt's.
+    logprobs = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k, logprobs=0,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+    plain = SamplingParams(max_tokens=4, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY)
+    await server.llm.collective_rpc("loopline_tokenformer_stats", kwargs={"reset": True})
+    outputs = await _one_batch(server.llm, requests, prompts, "topk",
+                               {"lora-unembed": logprobs, "tokenformer-a": logprobs, "lora": plain,
+                                "base": plain})
+    stats = (await server.llm.collective_rpc("loopline_tokenformer_stats"))[0]
+    assert _mixed_forwards(stats, {6, lora_requests["tokenformer-a"].lora_int_id,
+                                   lora_requests["lora"].lora_int_id}), stats
+
+    for name, ck in (("lora-unembed", unembed_ck), ("tokenformer-a", checkpoints["tokenformer-a"])):
+        ids = prompts[name]
+        entries = outputs[name].prompt_logprobs
+        assert entries[0] is None and len(entries) == len(ids)
+        ref = reference_logits(tiny, ck, ids)
+        for pos in range(1, len(ids)):
+            row = entries[pos]
+            best = ref[pos - 1].topk(k).indices.tolist()
+            assert set(best) <= set(row), (name, pos)  # the top k, plus the prompt's own token
+            assert ids[pos] in row
+            worst = max(abs(v.logprob - ref[pos - 1, t].item()) for t, v in row.items())
+            assert worst <= TOL, (name, pos, worst)
+    # The unembedding's LoRA matters: without it these would be the base model's logits.
+    base_ref = reference_logits(tiny, None, prompts["lora-unembed"])
+    assert (reference_logits(tiny, unembed_ck, prompts["lora-unembed"]) - base_ref).abs().max() > 1.0
+
+    # Serving goes on: a greedy completion on the base model and on an adapter, by name.
+    async def no_events(_event: bytes) -> None:
+        pass
+
+    for model in ("tiny", "lora"):
+        body = {"model": model, "prompt": PROMPTS["tokenformer-b"], "max_tokens": 4, "temperature": 0,
+                "prompt_logprobs": k}
+        answer = await server.call("/v1/completions", json.dumps(body).encode(), no_events)
+        assert answer.status == 200, answer.body
+        assert json.loads(answer.body)["usage"]["completion_tokens"] == 4
+    assert server.dead is None
