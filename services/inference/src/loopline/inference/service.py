@@ -26,6 +26,7 @@ from loopline.common.runtime import bus
 from loopline.common.runtime.service import Runtime
 from loopline.inference.adapters import AdapterManager
 from loopline.inference.engine_watch import watch_engine
+from loopline.inference.lora_targets import served_architecture
 from loopline.inference.vllm_args import serve_flags
 from loopline.inference.vllm_server import VllmServer
 from loopline.inference.vllm_version import require_tested_vllm
@@ -79,9 +80,12 @@ async def run(rt: Runtime, settings: InferenceSettings) -> None:
     deployment = subjects.deployment_key(settings.name)
     await bus.ensure_work_consumer(js, deployment, ack_wait_s=settings.ack_wait_s,
                                    max_deliver=settings.max_deliver)
+    assert server.llm is not None  # started above
+    architecture, lora_lm_head = served_architecture(server.llm.model_config)
     info = DeploymentInfo(model=settings.name, deployment=deployment, max_model_len=server.max_model_len,
                           engine="vllm", tasks=list(server.tasks), model_path=_absolute(model_path),
-                          max_adapter_rank=settings.max_adapter_rank if settings.adapters else None)
+                          max_adapter_rank=settings.max_adapter_rank if settings.adapters else None,
+                          architecture=architecture, lora_lm_head=lora_lm_head)
     kv = await js.key_value(subjects.MODELS_BUCKET)
     await kv.put(deployment, info.model_dump_json().encode())
 

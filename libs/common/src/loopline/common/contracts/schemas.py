@@ -159,6 +159,11 @@ class DeploymentInfo(BaseModel):
     # adapter rank they serve (a Tinker training client asking for more is refused up front).
     model_path: str | None = None
     max_adapter_rank: int | None = None
+    # The model class vLLM serves it with, and whether that class takes a LoRA on lm_head (Tinker's
+    # train_unembed; inference/lora_targets.py): a client asking for one it cannot serve is refused
+    # when it is created. None: not known (a record from before these fields).
+    architecture: str | None = None
+    lora_lm_head: bool | None = None
 
 
 class BatchManifest(BaseModel):

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from tinker import types as tt
 
 from loopline.common.contracts import subjects, tinker_names
+from loopline.common.contracts.schemas import DeploymentInfo
 from loopline.common.contracts.tinker_schemas import (
     CallKind,
     LoraSpec,
@@ -100,7 +101,8 @@ async def telemetry() -> dict[str, Any]:
 
 # --- creating a training client ------------------------------------------------------------------
 @router.post("/create_model", **declare(TRAINING, {
-    400: f"{BODY}; no lora_config; an optimizer other than AdamW; a rank above the largest served",
+    400: f"{BODY}; no lora_config; an optimizer other than AdamW; a rank above the largest served; "
+         "train_unembed on a model whose vLLM class serves no LoRA on lm_head",
     404: "the base model is not served here", **SESSION, **TRAINER}))
 async def create_model(request: Request) -> dict[str, Any]:
     body = await parse(request, tt.CreateModelRequest)
@@ -113,6 +115,7 @@ async def create_model(request: Request) -> dict[str, Any]:
                        param="optimizer_config")
     info = await tinker.base(body.base_model)
     _check_rank(info.max_adapter_rank, body.lora_config.rank, info.model)
+    _check_unembed(info, body.lora_config.train_unembed)
     model_id = tinker_names.model_id(body.session_id, body.model_seq_id)
     model = TinkerModel(model_id=model_id, session_id=body.session_id, base_model=info.model,
                         model_path=info.model_path or info.model, model_name=body.base_model,
@@ -132,6 +135,17 @@ def _check_rank(max_rank: int | None, rank: int, base: str) -> None:
     if rank > max_rank:
         raise ApiError(400, f"rank {rank} is above the largest this server serves ({max_rank}; "
                             "LOOPLINE_MAX_ADAPTER_RANK)", param="lora_config.rank")
+
+
+def _check_unembed(info: DeploymentInfo, train_unembed: bool) -> None:
+    """A LoRA on lm_head trains, but vLLM serves it only for some model classes (the replica reads
+    which from vLLM: inference/lora_targets.py); elsewhere every sample of it would fail, so the
+    client is refused now rather than after it has trained."""
+    if train_unembed and info.lora_lm_head is False:
+        raise ApiError(400, f"train_unembed=True is not supported for {info.model!r}: vLLM serves its "
+                            f"model class ({info.architecture}) with no LoRA on lm_head, so an adapter "
+                            "that trains the unembedding could not be sampled; create the training client "
+                            "with train_unembed=False", param="lora_config.train_unembed")
 
 
 async def _place(request: Request, model: TinkerModel, first: StepCall) -> TinkerModel:
