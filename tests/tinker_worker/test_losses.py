@@ -70,7 +70,7 @@ def test_dro_adds_a_quadratic_penalty_towards_the_sampler():
 
 @pytest.mark.parametrize(("loss_fn", "config", "message"), [
     ("mse", None, "unknown loss_fn 'mse'"),
-    ("gspo", None, "not implemented"),
+    ("custom", None, "not implemented"),
     ("ppo", {"clip": 0.2}, "unknown key(s) ['clip']"),
     ("cross_entropy", {"beta": 1.0}, "it takes none"),
     ("dro", None, "dro needs loss_fn_config['beta']"),

@@ -78,7 +78,7 @@ def build(indices: list[int], data: list[tt.Datum], arrays: list[dict[str, np.nd
     ids = np.zeros((rows, width), dtype=np.int64)
     attention = np.zeros((rows, width), dtype=np.int64)
     targets = np.zeros(cells, dtype=np.int64)
-    keys = [key for key in (*loss.required, *loss.optional) if key != TARGETS]
+    keys = [key for key in (*loss.required, *loss.optional, *loss.derived) if key != TARGETS]
     inputs = {key: np.zeros(cells, dtype=np.float32) for key in keys}
     for row, (i, n, w) in enumerate(zip(indices, lengths, widths, strict=True)):
         ids[row, :n] = data[i].model_input.to_ints()

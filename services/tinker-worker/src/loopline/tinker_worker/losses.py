@@ -10,6 +10,7 @@ the target token (computed here), ``s`` the sampler's (input ``logprobs``) and `
     ppo                   -min(r * A, clip(r, low, high) * A)           r = exp(lp - s)
     cispo                 -sg(clip(r, low, high)) * lp * A              sg: no gradient through it
     dro                   -(lp * A - beta / 2 * (lp - s)^2)
+    gspo, stable_reinforce                                    in sequence_losses.py
 
 Cross-entropy also takes soft targets: ``target_tokens`` and ``weights`` of shape (N, K), K
 candidate tokens per position (a teacher's top K, say), and then sums ``-lp[n, k] * weights[n, k]``
@@ -35,10 +36,12 @@ import torch
 from tinker import types as tt
 from torch import Tensor
 
+from . import sequence_losses
 from .types import UserError
 
 TARGETS = "target_tokens"
 PerToken = Callable[[Tensor, dict[str, Tensor], dict[str, float]], Tensor]
+Prepare = Callable[[int, tt.Datum, dict[str, np.ndarray]], None]
 
 
 def _ratio(lp: Tensor, x: dict[str, Tensor]) -> Tensor:
@@ -79,6 +82,10 @@ class Loss:
     optional: Mapping[str, str | None]
     config: Mapping[str, float | None]  # loss_fn_config keys and defaults; None: required
     soft_targets: bool = False  # takes (N, K) target_tokens (and inputs of that shape) as well as (N,)
+    # Adds arrays to a datum's checked inputs (from its provenance, or defaults that depend on other
+    # inputs), raising UserError; ``derived`` names those that are not inputs a client may send.
+    prepare: Prepare | None = None
+    derived: tuple[str, ...] = ()
 
 
 _RL = (TARGETS, "logprobs", "advantages")
@@ -89,8 +96,13 @@ LOSSES: dict[str, Loss] = {loss.name: loss for loss in (
     Loss("ppo", ppo, _RL, {k: k for k in _CLIPS}, _CLIPS),
     Loss("cispo", cispo, _RL, {k: k for k in _CLIPS}, _CLIPS),
     Loss("dro", dro, _RL, {}, {"beta": None}),
+    Loss("gspo", sequence_losses.gspo, _RL, {sequence_losses.RATIO_MASK: None,
+                                             **{k: k for k in sequence_losses.GSPO_CLIPS}},
+         sequence_losses.GSPO_CLIPS, prepare=sequence_losses.default_ratio_mask),
+    Loss("stable_reinforce", sequence_losses.stable_reinforce, _RL, {}, {},
+         prepare=sequence_losses.sampled_positions, derived=(sequence_losses.SAMPLED,)),
 )}
-_NOT_HERE = ("gspo", "stable_reinforce", "custom")
+_NOT_HERE = ("custom",)
 
 
 def resolve(loss_fn: str, loss_fn_config: Mapping[str, Any] | None) -> tuple[Loss, dict[str, float]]:
@@ -159,6 +171,8 @@ def check_data(loss: Loss, data: list[tt.Datum], vocab_size: int,
                 if array.dtype.kind not in "iuf" or not np.isfinite(array).all():
                     raise UserError(f"datum {i}: loss_fn_inputs[{key!r}] must hold finite numbers")
                 arrays[key] = array.astype(np.float32)
+        if loss.prepare is not None:
+            loss.prepare(i, datum, arrays)
         checked.append(arrays)
     return checked
 

@@ -25,6 +25,8 @@ from tinker.proto import tinker_public_pb2 as pb
 _REQUEST_DTYPES: dict[int, np.dtype] = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_INT64: np.dtype("<i8")}
 # The largest dense tensor a sparse one may expand to (elements): 64 Mi float32 is 256 MiB.
 MAX_DENSE_ELEMENTS = 64 << 20
+# A sequence id this server hands out is ``<request id>:<index>``, well under this.
+MAX_SEQUENCE_ID_CHARS = 256
 
 
 @dataclass
@@ -39,8 +41,8 @@ class FwdBwdCall:
 
 
 def decode_forward_backward(body: bytes) -> FwdBwdCall:
-    """A forward_backward body as the SDK's types. Provenance spans (StableReinforce's references to
-    sampled sequences) are dropped: this server records no stability info to resolve them against."""
+    """A forward_backward body as the SDK's types, provenance spans (which sampled sequence each
+    position came from: StableReinforce trains on the sampled ones) included."""
     message = pb.ForwardBackwardRequest()
     try:
         message.ParseFromString(body)
@@ -69,7 +71,32 @@ def _datum(index: int, datum: pb.Datum) -> tt.Datum:
         chunks.append(tt.EncodedTextChunk(tokens=tokens.tolist()))
     inputs = {name: tt.TensorData.from_numpy(_tensor(tensor, f"data[{index}].loss_fn_inputs[{name!r}]"))
               for name, tensor in datum.loss_fn_inputs.items()}
-    return tt.Datum(model_input=tt.ModelInput(chunks=chunks), loss_fn_inputs=inputs)
+    model_spans = _spans(datum.model_input_spans, f"data[{index}].model_input_spans")
+    loss_spans = _spans(datum.loss_fn_input_spans, f"data[{index}].loss_fn_input_spans")
+    if (model_spans is None) != (loss_spans is None):
+        raise ValueError(f"data[{index}]: provenance comes as a pair: set both model_input_spans and "
+                         "loss_fn_input_spans, or neither")
+    return tt.Datum(model_input=tt.ModelInput(chunks=chunks), loss_fn_inputs=inputs,
+                    model_input_spans=model_spans, loss_fn_input_spans=loss_spans)
+
+
+def _spans(spans: Sequence[pb.ProvenanceSpan], where: str) -> tt.ProvenanceSpans | None:
+    """Provenance runs as the SDK's span types; None when the datum sent none (an empty list is
+    what the SDK sends for no runs, and reads back as none)."""
+    out: tt.ProvenanceSpans = []
+    for j, span in enumerate(spans):
+        arm = span.WhichOneof("span")
+        if arm is None:
+            raise ValueError(f"{where}[{j}] names neither prompt_tokens nor sampled_tokens")
+        run = getattr(span, arm)
+        kind = tt.SampledProvenanceSpan if arm == "sampled_tokens" else tt.PromptProvenanceSpan
+        if len(run.sequence_id) > MAX_SEQUENCE_ID_CHARS:
+            raise ValueError(f"{where}[{j}].sequence_id is over {MAX_SEQUENCE_ID_CHARS} characters")
+        try:
+            out.append(kind(sequence_id=run.sequence_id, offset=run.offset, length=run.length))
+        except ValueError as e:  # a negative length or offset, an empty sequence id
+            raise ValueError(f"{where}[{j}]: {e}") from None
+    return out or None
 
 
 def _frombuffer(data: bytes, dtype: np.dtype, where: str) -> np.ndarray:
