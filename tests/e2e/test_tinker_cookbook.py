@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
+from loopline.common.contracts import subjects
+from support.bus_view import BusView
 from support.cookbook import CHAT_SL, MATH_RL, chat_sl_args, cookbook_python, math_rl_args, run_recipe
 
 STEPS = 3
@@ -101,3 +103,30 @@ def test_math_rl_recipe_runs_its_iterations_and_samples_from_its_saved_checkpoin
     assert all("sampler_path" in c and "state_path" in c for c in checkpoints), checkpoints
     run_info = assert_the_server_holds(tinker_stack, checkpoints)
     assert run_info["last_sampler_checkpoint"]["tinker_path"] == checkpoints[-1]["sampler_path"], run_info
+
+
+def test_math_rl_recipe_with_its_default_loss_trains_with_stable_reinforce(tinker_stack, tiny, tmp_path):
+    """No ``loss_fn``: the recipe's default, stable_reinforce, samples with record_stability_info and
+    sends every datum with provenance spans; its 2 iterations run and its checkpoints are listed."""
+    log_path = tmp_path / "math_rl_default"
+    run = run_recipe(MATH_RL, math_rl_args(tinker_stack.url, tiny, log_path, max_steps=2, loss_fn=None),
+                     timeout=RECIPE_TIMEOUT_S)
+    assert run.returncode == 0, run.tail()
+    config = json.loads((log_path / "config.json").read_text())
+    assert config["loss_fn"] == "stable_reinforce", config
+    iterations = [row for row in run.metrics if "env/all/reward/total" in row]
+    assert [row["step"] for row in iterations] == [0, 1], run.metrics
+    for row in iterations:
+        assert row["env/all/total_episodes"] == 8 * 4, row
+        assert math.isfinite(row["optim/kl_sample_train_v1"]), row
+    checkpoints = recorded_checkpoints(log_path)
+    assert [c["name"] for c in checkpoints][-1] == "final", checkpoints
+    assert_the_server_holds(tinker_stack, checkpoints)
+
+    async def records(nc) -> int:  # one per sample request that asked for stability info
+        info = await nc.jetstream().stream_info(subjects.TINKER_FUTURES_STREAM,
+                                                subjects_filter=subjects.tinker_sample_record("*"))
+        return len(info.state.subjects or {})
+
+    # 8 problems a step, one request of 4 samples each: what the worker checked the data against.
+    assert BusView(tinker_stack.nats_url, "cookbook-test").ask(records) >= 2 * 8

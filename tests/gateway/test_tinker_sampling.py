@@ -146,9 +146,15 @@ def test_completion_body_fields():
     assert completion_body(sdk_request(prompt_logprobs=True), "m")["prompt_logprobs"] == 0
 
 
+def test_record_stability_info_samples_as_usual():
+    # What it asks for is kept beside the future when the answer is made (tinker/stability.py).
+    params = tt.SamplingParams(max_tokens=4)
+    assert (completion_body(sdk_request(sampling_params=params, record_stability_info=True), "m")
+            == completion_body(sdk_request(sampling_params=params), "m"))
+
+
 @pytest.mark.parametrize("fields, error", [
     ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k is not supported"),
-    ({"record_stability_info": True}, "record_stability_info is not supported"),
     ({"target_prompt_logprobs": {"data": [3, -1], "dtype": "int64", "shape": [2, 1]}},
      "target_prompt_logprobs is not supported"),
     ({"prompt_logprobs_last_n": 1}, "set prompt_logprobs"),

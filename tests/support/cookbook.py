@@ -83,14 +83,17 @@ def example_conversations() -> Path:
 def math_rl_args(base_url: str, model: str | Path, log_path: Path, **overrides: Any) -> dict[str, Any]:
     """RL on the arithmetic task, sized for 2 CPU cores: 8 problems x 4 samples x 16 tokens a step.
 
-    ``loss_fn`` is set because the CLI's default is ``stable_reinforce`` (sampling records stability
-    info, provenance required); ``renderer_name`` because without it the cookbook looks the model up
-    in its table of Hub names and a local folder is not there. ``save_every`` (default 20) is the
-    step at which it saves named checkpoints and samples from their ``tinker://`` path instead."""
-    return {"base_url": base_url, "model_name": str(model), "renderer_name": "role_colon",
+    ``loss_fn`` is ``importance_sampling`` unless overridden; ``loss_fn=None`` leaves it out, so the
+    recipe trains with its own default, ``stable_reinforce`` (sampling records stability info, every
+    datum carries provenance). ``renderer_name`` is set because without it the cookbook looks the
+    model up in its table of Hub names and a local folder is not there. ``save_every`` (default 20)
+    is the step at which it saves named checkpoints and samples from their ``tinker://`` path
+    instead. An override of None drops that argument."""
+    args = {"base_url": base_url, "model_name": str(model), "renderer_name": "role_colon",
             "env": "arithmetic", "group_size": 4, "groups_per_batch": 8, "max_tokens": 16,
             "max_steps": 3, "learning_rate": 3e-4, "loss_fn": "importance_sampling",
             "log_path": str(log_path), "behavior_if_log_dir_exists": "delete", **overrides}
+    return {key: value for key, value in args.items() if value is not None}
 
 
 def chat_sl_args(base_url: str, model: str | Path, log_path: Path, **overrides: Any) -> dict[str, Any]:

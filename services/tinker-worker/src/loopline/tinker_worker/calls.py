@@ -33,6 +33,7 @@ from loopline.common.contracts.tinker_schemas import (
     TinkerSampler,
 )
 from loopline.common.runtime.tinker_store import TinkerStore
+from loopline.tinker_worker import provenance
 from loopline.tinker_worker.proto import decode_forward_backward, encode_forward_backward_output
 from loopline.tinker_worker.saves import (
     NotAnnounced,
@@ -87,6 +88,9 @@ class Calls:
         assert call.proto is not None, "forward_backward carries its protobuf body"
         # The one parse of this body: the gateway read only its routing fields.
         request = decode_forward_backward(await self.store.unpack(call.proto))
+        if request.loss_fn == "stable_reinforce":  # it trains against what sampling recorded
+            records = await provenance.load(self.store.js, provenance.request_ids(request.data))
+            request.data = provenance.apply(request.data, records, model)
         result = await asyncio.to_thread(self.clients.forward_backward, model.model_id, request.data,
                                          request.loss_fn, request.loss_fn_config, request.forward_only)
         if not request.forward_only:
@@ -134,7 +138,8 @@ class Calls:
         path = str(tinker_names.TinkerPath(model.model_id, "sampler_weights", name))
         await self._record(model, "sampler", name, path, folder, body.ttl_seconds, adapter=adapter, step=step)
         sampler = TinkerSampler(sampling_session_id=tinker_names.new_id(), base_model=model.base_model,
-                                adapter=adapter, model_path=path, step=step, owner=model.owner)
+                                adapter=adapter, model_path=path, step=step, owner=model.owner,
+                                session_id=model.session_id)
         await self.store.put_sampler(sampler)
         self.emit(SessionEvent(worker_id=model.worker_id, kind="saved", model_id=model.model_id, path=path,
                                step=step))

@@ -189,6 +189,11 @@ def tinker_sample_request(request_id: str) -> str:
     return f"tinker.futures.{request_id}.request"
 
 
+def tinker_sample_record(request_id: str) -> str:
+    """A sample request's SampledRecord (record_stability_info), kept as long as its future."""
+    return f"tinker.futures.{request_id}.record"
+
+
 def tinker_calls_durable(worker_id: str) -> str:
     return f"tinker-worker-{worker_id}"
 

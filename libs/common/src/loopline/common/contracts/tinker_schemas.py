@@ -148,10 +148,28 @@ class TinkerSampler(BaseModel):
     # its bucket's TTL (LOOPLINE_TINKER_SESSIONS_MAX_AGE_S) takes only abandoned ones.
     written_at: float | None = None  # None: when created
     owner: str | None = None  # as TinkerSession.owner
+    # The Tinker session it belongs to (its sequences train only there); None when it was made
+    # outside one (an asample naming a path or base model).
+    session_id: str | None = None
 
     @property
     def written(self) -> float:
         return self.written_at or self.created_at
+
+
+class SampledRecord(BaseModel):
+    """What a sample request with ``record_stability_info`` keeps for StableReinforce, read by the
+    session worker when a datum's provenance names one of its sequences (``<request id>:<i>``):
+    the tokens it may claim, and the sampler's logprobs it trains against. Arrays are base64 of
+    little-endian int32 / float32."""
+
+    request_id: str
+    session_id: str | None  # the sampler's Tinker session: its sequences train only there
+    owner: str | None = None
+    prompt_b64: str
+    tokens_b64: list[str]  # one per sample
+    logprobs_b64: list[str]  # one per sample, one logprob per token
+    created_at: float = Field(default_factory=time.time)
 
 
 class TinkerCheckpoint(BaseModel):

@@ -63,9 +63,6 @@ def _refuse_unsupported(req: tt.SampleRequest, n_prompt: int) -> None:
     if req.target_prompt_logprobs is not None:
         raise TinkerUserError("target_prompt_logprobs is not supported by this server (vLLM scores only the "
                               "top-k prompt tokens); use topk_prompt_logprobs")
-    if req.record_stability_info:
-        raise TinkerUserError("record_stability_info is not supported by this server; train with a loss "
-                              "other than stable_reinforce")
     if req.topk_prompt_logprobs < 0 or req.topk_sample_logprobs < 0:
         raise TinkerUserError("topk_prompt_logprobs and topk_sample_logprobs must be 0 or more")
     last_n = req.prompt_logprobs_last_n

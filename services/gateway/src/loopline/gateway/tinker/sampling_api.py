@@ -29,6 +29,7 @@ from loopline.gateway.core.limits import check_count
 from loopline.gateway.core.route_spec import BUS, FULL, declare
 from loopline.gateway.core.submit import fresh_group, request_id, split_request_id
 from loopline.gateway.gateway import Gateway, gateway_of
+from loopline.gateway.tinker import stability
 from loopline.gateway.tinker.bodies import parse
 from loopline.gateway.tinker.sampling import TinkerUserError, completion_body, sample_response
 from loopline.gateway.tinker.statuses import BODY, QUOTA
@@ -39,7 +40,8 @@ PROTO = "application/x-protobuf"
 
 
 async def _sampler_of(gateway: Gateway, path: str | None, base_model: str | None,
-                      sampling_session_id: str, request: Request) -> TinkerSampler:
+                      sampling_session_id: str, request: Request,
+                      session_id: str | None = None) -> TinkerSampler:
     """A sampling session for a tinker path (its sampler checkpoint: the key's own, auth/tenancy.py)
     or a base model."""
     tinker = gateway.tinker
@@ -57,12 +59,12 @@ async def _sampler_of(gateway: Gateway, path: str | None, base_model: str | None
         model = await tinker.model(parsed.model_id)
         return TinkerSampler(sampling_session_id=sampling_session_id, base_model=model.base_model,
                              adapter=checkpoint.adapter, model_path=path, step=checkpoint.step,
-                             owner=owner_of(request))
+                             owner=owner_of(request), session_id=session_id)
     if base_model is None:
         raise ApiError(400, "name a model_path or a base_model to sample from", param="base_model")
     info = await tinker.base(base_model)
     return TinkerSampler(sampling_session_id=sampling_session_id, base_model=info.model,
-                         owner=owner_of(request))
+                         owner=owner_of(request), session_id=session_id)
 
 
 @router.post("/create_sampling_session", **declare(INFERENCE, {
@@ -70,7 +72,8 @@ async def _sampler_of(gateway: Gateway, path: str | None, base_model: str | None
 async def create_sampling_session(request: Request) -> dict[str, Any]:
     body = await parse(request, tt.CreateSamplingSessionRequest)
     gateway = gateway_of(request)
-    sampler = await _sampler_of(gateway, body.model_path, body.base_model, tinker_names.new_id(), request)
+    sampler = await _sampler_of(gateway, body.model_path, body.base_model, tinker_names.new_id(), request,
+                                body.session_id)
     gateway.session_quota.take(request)  # after the checks: a refused request creates nothing
     await gateway.tinker.store.put_sampler(sampler)
     return {"sampling_session_id": sampler.sampling_session_id, "type": "create_sampling_session"}
@@ -160,4 +163,6 @@ async def _sample_result(gateway: Gateway, rid: str, result: ResultItem) -> Futu
         proto = sample_response(json.loads(result.text()), request)
     except ValueError as exc:  # vLLM answered something else than was asked (an abort, say)
         return FutureResult(request_id=rid, ok=False, category="server", error=f"sampling failed: {exc}")
+    if request.record_stability_info:
+        await stability.keep(gateway, rid, request, proto)
     return FutureResult(request_id=rid, media_type=PROTO, payload=Payload.inline(proto))
