@@ -44,7 +44,7 @@ done
 echo "stack up at $url (logs: $work/state/logs)"
 
 # 4. The recipes, unmodified, offline. renderer_name: the cookbook's table knows Hub names only;
-# loss_fn: the RL CLI's default (stable_reinforce) needs sampling provenance Tinker records.
+# loss_fn: these curves were made with importance_sampling (the RL CLI's default is stable_reinforce).
 cookbook() {
   (cd "$work" && env HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TINKER_TELEMETRY=0 \
      TINKER_API_KEY=tml-loopline "$repo/.venv-cookbook/bin/python" -m "$@")

@@ -90,6 +90,30 @@ def test_tensor_refusals_name_the_field(tensor, error):
         decode_forward_backward(raw_request(tensor))
 
 
+def _with_spans(model: list[pb.ProvenanceSpan], loss: list[pb.ProvenanceSpan]) -> bytes:
+    message = pb.ForwardBackwardRequest()
+    message.ParseFromString(raw_request(pb.Tensor(dense=F32, dtype=pb.DTYPE_FLOAT32, shape=[2])))
+    message.data[0].model_input_spans.extend(model)
+    message.data[0].loss_fn_input_spans.extend(loss)
+    return bytes(message.SerializeToString())
+
+
+def _sampled(sequence_id: str, length: int = 2) -> pb.ProvenanceSpan:
+    return pb.ProvenanceSpan(sampled_tokens=pb.SampledProvenanceSpan(sequence_id=sequence_id, length=length))
+
+
+@pytest.mark.parametrize("model, loss, error", [
+    ([], [_sampled("a:0")], "provenance comes as a pair"),
+    ([_sampled("a:0")], [_sampled("x" * 300)], r"loss_fn_input_spans\[0\].sequence_id is over 256"),
+    ([_sampled("a:0")], [_sampled("")], r"loss_fn_input_spans\[0\]: .*must be non-empty"),
+    ([_sampled("a:0")], [_sampled("a:0", length=-1)], ">= 0"),
+    ([_sampled("a:0")], [pb.ProvenanceSpan()], "names neither prompt_tokens nor sampled_tokens"),
+])
+def test_provenance_on_the_wire_is_checked(model, loss, error):
+    with pytest.raises(ValueError, match=error):
+        decode_forward_backward(_with_spans(model, loss))
+
+
 def test_image_and_audio_chunks_are_refused():
     image = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[1]),
                                      types.ImageChunk(data=b"\x89PNG", format="png", expected_tokens=4)])
