@@ -14,7 +14,8 @@ from tinker import types as tt
 from tinker.lib.public_interfaces.sampling_client import _check_prompt_logprobs_last_n_honored
 from tinker.proto.response_conv import deserialize_sample_response
 
-from loopline.gateway.tinker.sampling import TinkerUserError, completion_body, sample_response
+from loopline.gateway.tinker import prompt_scoring
+from loopline.gateway.tinker.sampling import TinkerUserError, completion_body, prefix_bodies, sample_response
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = sorted(p.stem.removeprefix("vllm_") for p in FIXTURES.glob("vllm_*.json"))
@@ -28,7 +29,8 @@ def decoded(name: str) -> tuple[tt.SampleResponse, dict[str, Any]]:
     """The fixture's vLLM answer as the SDK reads our SampleResponse, and the fixture."""
     f = fixture(name)
     request = tt.SampleRequest.model_validate_json(json.dumps(f["request"]))  # as the route parses it
-    return deserialize_sample_response(sample_response(f["response"], request)), f
+    answer = sample_response(f["response"], request, f.get("prefix_responses", []))
+    return deserialize_sample_response(answer), f
 
 
 def f32(values: list[float]) -> list[float]:
@@ -36,10 +38,11 @@ def f32(values: list[float]) -> list[float]:
 
 
 def test_the_fixtures_are_what_completion_body_asks_for():
-    assert len(CASES) == 8
+    assert len(CASES) == 10
     for name in CASES:
         f = fixture(name)
         assert completion_body(f["request"], "tiny") | f["extra"] == f["body"], name
+        assert prefix_bodies(f["request"], "tiny") == f.get("prefix_bodies", []), name
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -154,9 +157,6 @@ def test_record_stability_info_samples_as_usual():
 
 
 @pytest.mark.parametrize("fields, error", [
-    ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k is not supported"),
-    ({"target_prompt_logprobs": {"data": [3, -1], "dtype": "int64", "shape": [2, 1]}},
-     "target_prompt_logprobs is not supported"),
     ({"prompt_logprobs_last_n": 1}, "set prompt_logprobs"),
     ({"prompt_logprobs": True, "prompt_logprobs_last_n": 3}, r"between 1 and len\(prompt\) - 1 = 2"),
     ({"prompt": tt.ModelInput(chunks=[tt.EncodedTextChunk(tokens=[1]),
@@ -190,3 +190,128 @@ def test_answers_completion_body_did_not_ask_for_are_errors():
     with pytest.raises(ValueError, match="prompt logprobs for 4 prompt tokens"):
         sample_response({**prompt["response"], "choices": [{**prompt["response"]["choices"][0],
                                                             "prompt_logprobs": None}]}, prompt["request"])
+
+
+# --- target_prompt_logprobs and prompt_alt_tokens_k (prompt_scoring.py) ------------------------------
+
+def _own_token_logprobs(f: dict[str, Any]) -> dict[tuple[int, int], float]:
+    """(row, id) -> logprob from vLLM's prompt-logprob path of the main answer: row i scores the
+    prompt's own token at position i + 1. Another code path than the prefix requests'."""
+    entries = f["response"]["choices"][0]["prompt_logprobs"]
+    return {(i - 1, int(t)): v["logprob"]
+            for i, entry in enumerate(entries) if entry for t, v in entry.items()}
+
+
+def test_sparse_target_logprobs_keep_the_request_layout_and_equal_prompt_logprobs():
+    """The cookbook's decisions recipe sends a sparse CSR tensor with -1 elsewhere and reads it back
+    with to_torch(); each listed cell is the exact logprob of its id at its row's position."""
+    response, f = decoded("target_sparse")
+    asked = f["request"]["target_prompt_logprobs"]
+    target = response.target_prompt_logprobs
+    assert target is not None and target.dtype == "float32" and target.shape == asked["shape"]
+    assert target.sparse_crow_indices == asked["sparse_crow_indices"]
+    assert target.sparse_col_indices == asked["sparse_col_indices"]
+    dense = target.to_torch()
+    assert dense.shape == (3, 3) and dense[0].abs().sum() == 0  # row 0 named nothing
+    prefix = f["prefix_responses"][0]["choices"]  # one prefix per row that names an id: rows 1, 2
+    for (row, col), token in zip([(1, 1), (2, 0), (2, 1), (2, 2)], asked["data"], strict=True):
+        expected = prefix[row - 1]["logprobs"]["top_logprobs"][0][f"token_id:{token}"]
+        assert dense[row, col].item() == pytest.approx(expected, abs=1e-6)
+    # The union of ids is scored at every prefix: where one is the prompt's own token, the value is
+    # vLLM's prompt logprob of it (row 2 scores position 3, " fox" = 676).
+    own = _own_token_logprobs(f)
+    assert prefix[1]["logprobs"]["top_logprobs"][0]["token_id:676"] == pytest.approx(own[(2, 676)], abs=1e-5)
+
+
+def test_dense_targets_and_alt_tokens_in_one_request():
+    response, f = decoded("target_dense_alt")
+    target = response.target_prompt_logprobs
+    assert target is not None and target.sparse_crow_indices is None and target.shape == [3, 2]
+    values = target.to_numpy()
+    own = _own_token_logprobs(f)
+    assert values[0, 0] == pytest.approx(own[(0, 700)], abs=1e-5)  # " quick" after "The"
+    assert values[0, 1] == values[1, 0] == values[1, 1] == 0.0  # -1: no logprob
+    assert values[2, 0] < 0 and values[2, 1] < 0
+    alt = response.prompt_alt_tokens
+    assert alt is not None
+    tokens, logprobs = alt.tokens.to_numpy(), alt.logprobs.to_numpy()
+    assert alt.tokens.dtype == "int64" and tokens.shape == logprobs.shape == (3, 3)
+    choices = f["prefix_responses"][1]["choices"]  # prefix i's k draws are choices i*k .. i*k + k - 1
+    for i, choice in enumerate(choices):
+        row, j = divmod(i, 3)
+        assert f"token_id:{tokens[row, j]}" == choice["logprobs"]["tokens"][0]
+        assert logprobs[row, j] == pytest.approx(choice["logprobs"]["token_logprobs"][0], abs=1e-6)
+    # The SDK's check that a server answered the draws it was asked for.
+    from tinker.lib.public_interfaces.sampling_client import _check_prompt_alt_tokens_returned
+    _check_prompt_alt_tokens_returned(response, 3)
+
+
+def test_greedy_alt_tokens_repeat_the_argmax():
+    request = sdk_request(prompt=tt.ModelInput.from_ints([5, 6, 7]), prompt_alt_tokens_k=4,
+                          sampling_params=tt.SamplingParams(max_tokens=1, temperature=0.0))
+    [body] = prefix_bodies(request, "m")
+    assert body["n"] == 1 and body["prompt"] == [[5], [5, 6]] and body["temperature"] == 0.0
+    draw = {"logprobs": {"tokens": ["token_id:9"], "top_logprobs": [{"token_id:9": -0.5}]}}
+    answer = {"choices": [{"index": i, **draw} for i in range(2)]}
+    ids, logprobs = prompt_scoring.alt_tokens(answer, request, 3)
+    assert ids.tolist() == [[9] * 4] * 2 and logprobs.tolist() == [[-0.5] * 4] * 2
+
+
+def _target(data: list[int], shape: list[int], **sparse: list[int]) -> dict[str, Any]:
+    return {"target_prompt_logprobs": {"data": data, "dtype": "int64", "shape": shape, **sparse}}
+
+
+@pytest.mark.parametrize("fields, error", [
+    ({"target_prompt_logprobs": {"data": [1.0, 2.0], "dtype": "float32", "shape": [2, 1]}}, "int64"),
+    (_target([3, 4, 5], [3, 1]), r"shape \[len\(prompt\) - 1, K\] = \[2, K\]"),
+    (_target([3, 4], [2]), r"= \[2, K\] with K >= 1, not \[2\]"),
+    (_target([3, 4, 5], [2, 2]), "3 values do not fill shape"),
+    (_target([-1, -1], [2, 1]), "names no token id"),
+    (_target([3, -2], [2, 1]), "-1 for none; not -2"),
+    (_target([3], [2, 4], sparse_crow_indices=[0, 1], sparse_col_indices=[0]), "CSR indices"),
+    (_target([3], [2, 4], sparse_crow_indices=[0, 0, 1], sparse_col_indices=[4]), "CSR indices"),
+    (_target([3, 4], [2, 4], sparse_crow_indices=[0, 2, 1], sparse_col_indices=[0, 1]), "CSR indices"),
+    (_target(list(range(40)), [2, 20]), "40 distinct ids; .* at most 32 \\(MAX_TARGET_IDS\\)"),
+    ({"prompt_alt_tokens_k": 300}, "asks for 600 draws; .* at most 512 \\(MAX_PROMPT_PREFIXES\\)"),
+    ({"prompt_alt_tokens_k": 1, "prompt": tt.ModelInput.from_ints([5])}, "2 tokens or more"),
+])
+def test_bad_targets_and_alt_tokens_are_refused_naming_them(fields, error):
+    with pytest.raises(TinkerUserError, match=error):
+        completion_body(sdk_request(**fields), "m")
+
+
+def test_target_rows_are_bounded():
+    prompt = tt.ModelInput.from_ints(list(range(1, 602)))
+    fields = _target([7] * 600, [600, 1])
+    with pytest.raises(TinkerUserError, match=r"ids in 600 rows; .* at most 512"):
+        completion_body(sdk_request(prompt=prompt, **fields), "m")
+
+
+def test_prefix_answers_that_were_not_asked_for_are_errors():
+    f = fixture("target_sparse")
+    with pytest.raises(ValueError, match="0 answers to the prompt-prefix requests"):
+        sample_response(f["response"], f["request"], [])
+    short = {"choices": f["prefix_responses"][0]["choices"][:1]}
+    with pytest.raises(ValueError, match="answered 1 choices to the prompt-prefix request, not 2"):
+        sample_response(f["response"], f["request"], [short])
+    choices = f["prefix_responses"][0]["choices"]
+    unscored = [choices[0], {**choices[1], "logprobs": {"tokens": ["token_id:1"],
+                                                         "top_logprobs": [{"token_id:1": -1.0}]}}]
+    with pytest.raises(ValueError, match="did not score token 5 at prompt position 3"):
+        sample_response(f["response"], f["request"], [{"choices": unscored}])
+
+
+def test_a_sparse_tensor_is_never_densified():
+    """A sparse tensor may claim any width: only its listed cells are read, and answered."""
+    fields = _target([7, 8], [2, 10**12], sparse_crow_indices=[0, 1, 2], sparse_col_indices=[5, 10**12 - 1])
+    request = sdk_request(**fields)
+    [body] = prefix_bodies(request, "m")
+    assert body["prompt"] == [[5], [5, 6]] and body["logprob_token_ids"] == [7, 8]
+    cells = prompt_scoring.target_cells(request, 3)
+    assert cells is not None
+    tops = [{"token_id:7": -1.0, "token_id:8": -2.0}, {"token_id:8": -3.0, "token_id:7": -4.0}]
+    answer = {"choices": [{"index": i, "logprobs": {"tokens": ["token_id:1"], "top_logprobs": [top]}}
+                          for i, top in enumerate(tops)]}
+    target = prompt_scoring.target_logprobs(answer, cells).to_proto()
+    assert list(target.shape) == [2, 10**12]
+    assert np.frombuffer(target.sparse_csr.values, "<f4").tolist() == [-1.0, -3.0]

@@ -109,12 +109,13 @@ def encode_sample_response(sequences: Sequence[SampledSeq],
                            topk_prompt_logprobs: Sequence[list[tuple[int, float]] | None] | None = None, *,
                            sample_k: int = 0, prompt_k: int = 0,
                            target_prompt_logprobs: TargetLogprobs | None = None,
+                           prompt_alt_tokens: tuple[np.ndarray, np.ndarray] | None = None,
                            prompt_cache_hit_tokens: int = 0) -> bytes:
     """A ``SampleResponse``. ``prompt_logprobs`` has one entry per prompt token, None where there is
     none (position 0). ``sample_k`` and ``prompt_k`` are the k the request asked for
     (``topk_sample_logprobs``, ``topk_prompt_logprobs``): the widths of the top-k matrices, whose
-    short rows are padded with empty cells. Sequence ids are not in the proto: the asample reply
-    carries them."""
+    short rows are padded with empty cells. ``prompt_alt_tokens`` is (token ids, logprobs), both
+    ``[len(prompt) - 1, k]``. Sequence ids are not in the proto: the asample reply carries them."""
     message = pb.SampleResponse(prompt_cache_hit_tokens=prompt_cache_hit_tokens)
     for seq in sequences:
         out = message.sequences.add(stop_reason=_STOP_REASONS[seq.stop_reason],
@@ -134,6 +135,13 @@ def encode_sample_response(sequences: Sequence[SampledSeq],
         message.topk_prompt_logprobs.CopyFrom(_topk(topk_prompt_logprobs, prompt_k))
     if target_prompt_logprobs is not None:
         message.target_prompt_logprobs.CopyFrom(target_prompt_logprobs.to_proto())
+    if prompt_alt_tokens is not None:
+        ids, logprobs = prompt_alt_tokens
+        message.prompt_alt_tokens.CopyFrom(pb.PromptAltTokens(
+            tokens=pb.Tensor(dtype=pb.DTYPE_INT64, shape=list(ids.shape),
+                             dense=np.ascontiguousarray(ids, dtype="<i8").tobytes()),
+            logprobs=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=list(logprobs.shape),
+                               dense=np.ascontiguousarray(logprobs, dtype="<f4").tobytes())))
     return bytes(message.SerializeToString())
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from tinker import types as tt
 
+from loopline.gateway.tinker import prompt_scoring
 from loopline.gateway.tinker.proto import SampledSeq, StopReason, encode_sample_response
 
 _FINISH_REASONS: dict[str, StopReason] = {"stop": "stop", "length": "length"}
@@ -57,12 +58,11 @@ def prompt_tokens(req: tt.SampleRequest) -> list[int]:
 
 
 def _refuse_unsupported(req: tt.SampleRequest, n_prompt: int) -> None:
-    if req.prompt_alt_tokens_k:
-        raise TinkerUserError("prompt_alt_tokens_k is not supported by this server (vLLM draws no "
-                              "alternatives to prompt tokens); send 0")
-    if req.target_prompt_logprobs is not None:
-        raise TinkerUserError("target_prompt_logprobs is not supported by this server (vLLM scores only the "
-                              "top-k prompt tokens); use topk_prompt_logprobs")
+    try:  # answered by a second vLLM request (prompt_scoring.py)
+        prompt_scoring.target_cells(req, n_prompt)
+        prompt_scoring.check_alt_tokens(req, n_prompt)
+    except prompt_scoring.PromptScoringError as e:
+        raise TinkerUserError(str(e)) from None
     if req.topk_prompt_logprobs < 0 or req.topk_sample_logprobs < 0:
         raise TinkerUserError("topk_prompt_logprobs and topk_sample_logprobs must be 0 or more")
     last_n = req.prompt_logprobs_last_n
@@ -101,6 +101,27 @@ def completion_body(req: tt.SampleRequest | dict[str, Any], served_model: str) -
     return body
 
 
+def prefix_bodies(req: tt.SampleRequest | dict[str, Any], served_model: str) -> list[dict[str, Any]]:
+    """The vLLM requests that answer the request's ``target_prompt_logprobs`` and
+    ``prompt_alt_tokens_k``, in that order, each where asked (prompt_scoring.py): queued beside
+    ``completion_body``'s, their answers go to ``sample_response`` in the same order."""
+    req = _request(req)
+    tokens = prompt_tokens(req)
+    _refuse_unsupported(req, len(tokens))
+    bodies = []
+    cells = prompt_scoring.target_cells(req, len(tokens))
+    if cells is not None:
+        bodies.append(prompt_scoring.target_body(cells, tokens, served_model))
+    if req.prompt_alt_tokens_k:
+        bodies.append(prompt_scoring.alt_body(req, tokens, served_model))
+    return bodies
+
+
+def prefix_count(req: tt.SampleRequest) -> int:
+    """How many requests ``prefix_bodies`` makes for ``req``."""
+    return (req.target_prompt_logprobs is not None) + bool(req.prompt_alt_tokens_k)
+
+
 def _vllm_n(req: tt.SampleRequest) -> int:
     """How many samples vLLM is asked for. Greedy sampling (temperature 0) gives every sample the
     same tokens, and vLLM refuses n > 1 with it ("n must be 1 when using greedy sampling"), while
@@ -125,10 +146,11 @@ def _stop(stop: str | Sequence[str] | Sequence[int] | None) -> dict[str, Any]:
     raise TinkerUserError(f"stop must be strings or token ids, not a mix: {values!r}")
 
 
-def sample_response(vllm_json: dict[str, Any], req: tt.SampleRequest | dict[str, Any]) -> bytes:
-    """vLLM's answer to ``completion_body(req, ...)`` as the SDK's SampleResponse bytes. Sequence ids
-    are not in it: the asample reply carries them. A ValueError means vLLM answered something
-    ``completion_body`` did not ask for."""
+def sample_response(vllm_json: dict[str, Any], req: tt.SampleRequest | dict[str, Any],
+                    prefix_answers: Sequence[dict[str, Any]] = ()) -> bytes:
+    """vLLM's answer to ``completion_body(req, ...)``, and ``prefix_answers`` to ``prefix_bodies``,
+    as the SDK's SampleResponse bytes. Sequence ids are not in it: the asample reply carries them.
+    A ValueError means vLLM answered something the bodies did not ask for."""
     req = _request(req)
     tokens = prompt_tokens(req)
     choices = sorted(vllm_json.get("choices") or [], key=lambda c: c["index"])
@@ -154,10 +176,17 @@ def sample_response(vllm_json: dict[str, Any], req: tt.SampleRequest | dict[str,
                                for i, row in enumerate(rows)]
         if req.topk_prompt_logprobs:
             topk_prompt = [None if row is None else _best(row, req.topk_prompt_logprobs) for row in rows]
+    cells = prompt_scoring.target_cells(req, len(tokens))
+    if len(prefix_answers) != prefix_count(req):
+        raise ValueError(f"{len(prefix_answers)} answers to the prompt-prefix requests")
+    answers = iter(prefix_answers)
+    targets = None if cells is None else prompt_scoring.target_logprobs(next(answers), cells)
+    alt = prompt_scoring.alt_tokens(next(answers), req, len(tokens)) if req.prompt_alt_tokens_k else None
     usage = vllm_json.get("usage") or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return encode_sample_response(sequences, prompt_logprobs, topk_prompt,
                                   sample_k=k_sample, prompt_k=req.topk_prompt_logprobs,
+                                  target_prompt_logprobs=targets, prompt_alt_tokens=alt,
                                   prompt_cache_hit_tokens=int(cached))
 
 

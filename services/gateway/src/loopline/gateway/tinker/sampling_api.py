@@ -26,12 +26,19 @@ from loopline.gateway.auth.scopes import INFERENCE
 from loopline.gateway.auth.tenancy import owner_of, tenant_of
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.limits import check_count
+from loopline.gateway.core.results import ResultWaiter
 from loopline.gateway.core.route_spec import BUS, FULL, declare
 from loopline.gateway.core.submit import fresh_group, request_id, split_request_id
 from loopline.gateway.gateway import Gateway, gateway_of
 from loopline.gateway.tinker import stability
 from loopline.gateway.tinker.bodies import parse
-from loopline.gateway.tinker.sampling import TinkerUserError, completion_body, sample_response
+from loopline.gateway.tinker.sampling import (
+    TinkerUserError,
+    completion_body,
+    prefix_bodies,
+    prefix_count,
+    sample_response,
+)
 from loopline.gateway.tinker.statuses import BODY, QUOTA
 
 router = APIRouter(prefix="/api/v1")
@@ -115,20 +122,24 @@ async def asample(request: Request) -> dict[str, Any]:
     route = await gateway.models.resolve(sampler.base_model)
     try:
         vllm_body = completion_body(body, sampler.adapter or route.info.model)
+        # target_prompt_logprobs and prompt_alt_tokens_k: one more vLLM request each, items 1.. of
+        # the group (prompt_scoring.py says why), answered together with item 0.
+        bodies = [vllm_body, *prefix_bodies(body, sampler.adapter or route.info.model)]
     except TinkerUserError as exc:
         raise ApiError(400, str(exc)) from None
-    gateway.admission.admit(route.deployment, 1)  # 429: the SDK backs off and sends it again
+    gateway.admission.admit(route.deployment, len(bodies))  # 429: the SDK backs off and sends it again
     group = fresh_group()
     rid = request_id(group, 0)
-    item = WorkItem(request_id=rid, group=group, index=0, model=sampler.adapter or route.info.model,
-                    route="/v1/completions", body=json.dumps(vllm_body), adapter=sampler.adapter,
-                    kind="openai", batch_total=1)
+    items = [WorkItem(request_id=request_id(group, i), group=group, index=i,
+                      model=sampler.adapter or route.info.model, route="/v1/completions", body=json.dumps(b),
+                      adapter=sampler.adapter, kind="openai", batch_total=len(bodies))
+             for i, b in enumerate(bodies)]
     # What the answer is turned into needs the request, kept beside the future: both are stored
     # before the reply, at once (in sequence they cost the client a round trip more).
     await asyncio.gather(
         bus.publish_durable(gateway.js, subjects.tinker_sample_request(rid), raw, msg_id=f"{rid}.request",
                             deadline_s=30),
-        gateway.work.publish(None, [item], route.deployment))
+        gateway.work.publish(None, items, route.deployment))
     return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(body.num_samples)]}
 
 
@@ -138,16 +149,34 @@ async def wait_sample(gateway: Gateway, rid: str, timeout_s: float) -> FutureRes
         group, index = split_request_id(rid)
     except ApiError:
         raise ApiError(404, f"no future {rid!r} on this server", param="request_id") from None
+    deadline = time.monotonic() + timeout_s
     waiter = await gateway.results.waiter(group)
     try:
         found = await waiter.wait([index], timeout_s, stored_first=True)
+        result = found.get(index)
+        return None if result is None else await _sample_result(gateway, rid, result, waiter, deadline)
     finally:
         await waiter.close()
-    result = found.get(index)
-    return None if result is None else await _sample_result(gateway, rid, result)
 
 
-async def _sample_result(gateway: Gateway, rid: str, result: ResultItem) -> FutureResult:
+async def _prefix_answers(waiter: ResultWaiter, rid: str, count: int,
+                          deadline: float) -> list[dict[str, Any]] | FutureResult | None:
+    """The answers to the request's prompt-prefix requests (items 1..count of its group): None if
+    not all are in yet, a failed FutureResult if vLLM refused one."""
+    keys = list(range(1, count + 1))
+    found = await waiter.wait(keys, max(0.0, deadline - time.monotonic()), stored_first=True)
+    if not set(keys) <= set(found):
+        return None
+    for key in keys:
+        if found[key].status != 200:
+            status = found[key].status
+            return FutureResult(request_id=rid, ok=False, category="user" if status < 500 else "server",
+                                error=f"scoring the prompt failed ({status}): {found[key].text()}")
+    return [json.loads(found[key].text()) for key in keys]
+
+
+async def _sample_result(gateway: Gateway, rid: str, result: ResultItem, waiter: ResultWaiter,
+                         deadline: float) -> FutureResult | None:
     if result.status != 200:
         # vLLM refused the request (a user error), or it could not be served (dead-lettered).
         return FutureResult(request_id=rid, ok=False, category="user" if result.status < 500 else "server",
@@ -159,8 +188,14 @@ async def _sample_result(gateway: Gateway, rid: str, result: ResultItem) -> Futu
         return FutureResult(request_id=rid, ok=False, category="server",
                             error="the sample request expired before it was retrieved")
     request = tt.SampleRequest.model_validate_json(stored.data or b"{}")
+    prefixes: list[dict[str, Any]] = []
+    if prefix_count(request):
+        answers = await _prefix_answers(waiter, rid, prefix_count(request), deadline)
+        if not isinstance(answers, list):
+            return answers
+        prefixes = answers
     try:
-        proto = sample_response(json.loads(result.text()), request)
+        proto = sample_response(json.loads(result.text()), request, prefixes)
     except ValueError as exc:  # vLLM answered something else than was asked (an abort, say)
         return FutureResult(request_id=rid, ok=False, category="server", error=f"sampling failed: {exc}")
     if request.record_stability_info:
