@@ -4,7 +4,8 @@ The stack is the real one: gateway, queue, an inference replica (vLLM), the trai
 launcher starts the session worker), the checkpoint-watcher. What is checked is what a Tinker
 user sees: the SkyRL tx README's Pig Latin loop learns and its sampler answers a trained example;
 the sampler's logprobs agree with the training worker's forward pass (importance sampling is only
-right if they do); a user error fails fast; saved state comes back.
+right if they do), at temperature 0.7 and with top-k too, scaled as Tinker defines them; a user
+error fails fast; saved state comes back.
 """
 
 from __future__ import annotations
@@ -95,6 +96,62 @@ def test_sampler_logprobs_agree_with_the_training_forward_pass(trained):
     trained_logprobs = forward.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt_tokens) - 1:]
     assert np.allclose(trained_logprobs, sequence.logprobs, atol=1e-3), \
         np.max(np.abs(np.array(trained_logprobs) - np.array(sequence.logprobs)))
+
+
+# Tinker's sampled logprobs are those of the distribution each token was drawn from: the logits over
+# the temperature, cut to the top k (or top p) and renormalised (docs/tinker.md, "Logprobs").
+TEMPERATURE = 0.7
+
+
+def sample_at(sampling_client, prompt_tokens: list[int], **params):
+    params = types.SamplingParams(max_tokens=8, temperature=TEMPERATURE, seed=11, stop=[], **params)
+    prompt = types.ModelInput.from_ints(prompt_tokens)
+    return sampling_client.sample(prompt=prompt, sampling_params=params, num_samples=1,
+                                  topk_sample_logprobs=5).result().sequences[0]
+
+
+def trainer_scores(training_client, inputs: list[int], targets: list[list[int]]) -> np.ndarray:
+    """The trainer's (raw) logprobs of ``targets[j][i]`` after ``inputs[:i + 1]``, as [i, j]."""
+    data = [types.Datum(model_input=types.ModelInput.from_ints(inputs), loss_fn_inputs={"target_tokens": row})
+            for row in targets]
+    forward = training_client.forward(data, "cross_entropy").result()
+    return np.stack([np.array(out["logprobs"].tolist()) for out in forward.loss_fn_outputs], axis=1)
+
+
+def test_sampled_logprobs_at_temperature_are_the_trainers_scaled_by_it(trained):
+    """The trainer scores every vocabulary token at every position (one datum per token): its
+    logprobs over the temperature, renormalised, must be the sampler's; its raw ones (vLLM's
+    default) must not be."""
+    training_client, tokenizer, _, sampling_client = trained
+    prompt_tokens = tokenizer.encode("The quick brown fox")  # untrained: a spread distribution
+    sequence = sample_at(sampling_client, prompt_tokens)
+    inputs = (prompt_tokens + list(sequence.tokens))[:-1]
+    raw = trainer_scores(training_client, inputs, [[token] * len(inputs) for token in range(len(tokenizer))])
+    raw = raw[len(prompt_tokens) - 1:]  # [sampled position, vocabulary]
+    scaled = raw / TEMPERATURE
+    positions = np.arange(len(sequence.tokens))
+    expected = scaled[positions, sequence.tokens] - np.logaddexp.reduce(scaled, axis=1)
+    assert np.allclose(expected, sequence.logprobs, atol=2e-3), (expected, sequence.logprobs)
+    assert not np.allclose(raw[positions, sequence.tokens], sequence.logprobs, atol=2e-2)
+
+
+def test_sampled_logprobs_with_top_k_are_renormalised_over_the_top_k(trained):
+    """With top_k=5 the sampled token is one of the 5 the sampler reports, and its logprob is the
+    trainer's over the temperature, renormalised over those 5."""
+    training_client, tokenizer, _, sampling_client = trained
+    prompt_tokens = tokenizer.encode("The quick brown fox")
+    sequence = sample_at(sampling_client, prompt_tokens, top_k=5)
+    top = np.array(sequence.topk_logprobs_np.token_ids)  # [sampled position, 5]
+    assert all(token in row for token, row in zip(sequence.tokens, top, strict=True))
+    sampled = np.array([list(row).index(token) for token, row in zip(sequence.tokens, top, strict=True)])
+    inputs = (prompt_tokens + list(sequence.tokens))[:-1]
+    offset = len(prompt_tokens) - 1
+    targets = [[0] * offset + list(column) for column in top.T]  # the top 5 at each sampled position
+    scaled = trainer_scores(training_client, inputs, targets)[offset:] / TEMPERATURE
+    expected = scaled[np.arange(len(sampled)), sampled] - np.logaddexp.reduce(scaled, axis=1)
+    assert np.allclose(expected, sequence.logprobs, atol=2e-3), (expected, sequence.logprobs)
+    # The sampler's top-5 logprobs are a whole distribution: the rest of the vocabulary has none.
+    assert np.allclose(np.exp(sequence.topk_logprobs_np.logprobs).sum(axis=1), 1, atol=1e-3)
 
 
 def test_a_user_error_fails_fast(service, tiny):

@@ -51,8 +51,14 @@ def serve_flags(model_path: str, *, served_name: str, max_inflight: int, dtype: 
         dtype = "float32"
     # No --enable-prefix-caching: vLLM turns it on where the model supports it, and forcing it
     # fails the start of models that cannot cache prefixes (BERT embedders).
+    # Sampled tokens' logprobs as Tinker returns them: of the distribution each token was drawn
+    # from (after temperature, top-k, top-p), which importance sampling divides by. vLLM's default,
+    # raw_logprobs (before them), is right only at temperature 1 without top-k/top-p; there the two
+    # are equal. An engine-wide setting, so OpenAI clients get these too (docs/tinker.md, "Logprobs");
+    # LOOPLINE_VLLM_ARGS="--logprobs-mode raw_logprobs" gives them vLLM's default back. Prompt
+    # logprobs are the model's own either way.
     flags = ["--model", model_path, "--served-model-name", served_name, "--dtype", dtype,
-             "--max-num-seqs", str(max_inflight)]
+             "--max-num-seqs", str(max_inflight), "--logprobs-mode", "processed_logprobs"]
     if max_model_len is not None:
         flags += ["--max-model-len", str(max_model_len)]
     if cpu:

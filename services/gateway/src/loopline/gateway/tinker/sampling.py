@@ -7,8 +7,9 @@ answers):
 - ``token_ids`` keep the tokens of a matched stop: a stop token id (EOS included) is the last token,
   and with a stop string the tokens run up to and including the one that completes it (the *text*
   drops the string; we ignore the text). That is Tinker's convention, so tokens pass through as is.
-- Sampled logprobs are vLLM's default ``raw_logprobs``: the model's own distribution, before
-  temperature, top-k and top-p. With ``return_tokens_as_token_ids`` every top-logprob key is
+- Sampled logprobs are Tinker's: of the distribution each token was drawn from, after temperature,
+  top-k and top-p (the replicas run vLLM with ``--logprobs-mode processed_logprobs``, vllm_args.py;
+  at temperature 0, the model's own). With ``return_tokens_as_token_ids`` every top-logprob key is
   ``token_id:N``, so no token is lost to decoding. Each ``top_logprobs`` dict holds the sampled
   token first, then the top k (k + 1 entries when the sampled token is not among them).
 - ``prompt_logprobs`` (one per prompt token, None at position 0) map token ids to
