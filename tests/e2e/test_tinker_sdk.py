@@ -11,10 +11,15 @@ error fails fast; saved state comes back.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from tinker import types
+
+from loopline.common.contracts import subjects
+from loopline.common.contracts.schemas import DeploymentInfo
+from support.bus_view import BusView
 
 # The SkyRL tx README's examples (the Tinker docs' quick start).
 EXAMPLES = [
@@ -152,6 +157,20 @@ def test_sampled_logprobs_with_top_k_are_renormalised_over_the_top_k(trained):
     assert np.allclose(expected, sequence.logprobs, atol=2e-3), (expected, sequence.logprobs)
     # The sampler's top-5 logprobs are a whole distribution: the rest of the vocabulary has none.
     assert np.allclose(np.exp(sequence.topk_logprobs_np.logprobs).sum(axis=1), 1, atol=1e-3)
+
+
+def test_the_replica_records_that_its_model_takes_a_lora_on_lm_head(tinker_stack, tiny, trained):
+    """The SDK's default client (train_unembed) trained and sampled the tiny Llama above; its
+    replica's record says its vLLM class takes a LoRA on lm_head (Qwen2, Mistral and Gemma 3 would
+    be refused at create_model: tests/gateway/test_tinker_lora_targets.py)."""
+    async def records(nc) -> list[DeploymentInfo]:
+        kv = await nc.jetstream().key_value(subjects.MODELS_BUCKET)
+        entries = [await kv.get(key) for key in await kv.keys()]
+        return [DeploymentInfo.model_validate_json(entry.value or b"") for entry in entries]
+
+    folder = str(Path(tiny).resolve())
+    infos = [i for i in BusView(tinker_stack.nats_url, "lm-head-test").ask(records) if i.model_path == folder]
+    assert [(i.architecture, i.lora_lm_head) for i in infos] == [("LlamaForCausalLM", True)], infos
 
 
 def test_a_user_error_fails_fast(service, tiny):
