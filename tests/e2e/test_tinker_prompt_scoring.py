@@ -15,8 +15,8 @@ K = 3
 
 
 def test_target_logprobs_alt_tokens_and_soft_targets_agree_with_the_trainer(service, tiny):
-    training_client = service.create_lora_training_client(base_model=tiny, rank=4, seed=1)
-    sampling_client = service.create_sampling_client(base_model=tiny)
+    training_client = service.create_lora_training_client(base_model=tiny, rank=4, seed=1).result()
+    sampling_client = service.create_sampling_client(base_model=tiny).result()
     tokens = training_client.get_tokenizer().encode("The quick brown fox jumps over")
     n = len(tokens) - 1
     # Row i scores position i + 1: the prompt's own token there, and two fixed others.
@@ -60,7 +60,7 @@ def test_target_logprobs_alt_tokens_and_soft_targets_agree_with_the_trainer(serv
 
 def test_sparse_targets_as_the_decisions_recipe_sends_them(service, tiny):
     """One row of label ids, -1 elsewhere, sparse CSR: read back with to_torch() at that row."""
-    sampling_client = service.create_sampling_client(base_model=tiny)
+    sampling_client = service.create_sampling_client(base_model=tiny).result()
     tokens = list(range(10, 30))
     labels = [101, 102, 103, 104]
     row = len(tokens) - 2  # the last position
