@@ -7,7 +7,10 @@ the base model), which computes them another way.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
+import pytest
 import torch
 from tinker import types
 
@@ -78,3 +81,20 @@ def test_sparse_targets_as_the_decisions_recipe_sends_them(service, tiny):
                                      sampling_params=types.SamplingParams(max_tokens=1),
                                      include_prompt_logprobs=True).result()
         assert abs(own.prompt_logprobs[-1] - float(scored[row, j])) < 1e-4
+
+
+def test_an_id_outside_the_vocabulary_fails_fast_naming_it(service, tiny):
+    """vLLM refuses the prefix request (400): the future fails as a user error at once, and the
+    replica serves the next request."""
+    sampling_client = service.create_sampling_client(base_model=tiny).result()
+    prompt = types.ModelInput.from_ints(list(range(10, 15)))
+    ids = torch.full((4, 1), 10**6, dtype=torch.int64)
+    started = time.monotonic()
+    with pytest.raises(Exception, match="out-of-vocab"):
+        sampling_client.sample(prompt=prompt, num_samples=1,
+                               sampling_params=types.SamplingParams(max_tokens=1),
+                               target_prompt_logprobs=types.TensorData.from_torch(ids)).result()
+    assert time.monotonic() - started < 20
+    answer = sampling_client.sample(prompt=prompt, num_samples=1,
+                                    sampling_params=types.SamplingParams(max_tokens=2)).result()
+    assert len(answer.sequences[0].tokens) == 2
