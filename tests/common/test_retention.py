@@ -24,6 +24,7 @@ def test_defaults_are_what_the_settings_say():
                                       adapters_max_age_s=0)
 
 
+@pytest.mark.slow  # waits out a TTL
 @pytest.mark.asyncio
 async def test_old_entries_go_and_newer_ones_stay(tmp_path):
     with nats_server(tmp_path) as proc:
@@ -90,6 +91,7 @@ async def _all(js, datasets, adapters, tag: str) -> bool:
     return all(await _present(js, datasets, adapters, tag))
 
 
+@pytest.mark.slow  # waits out a TTL
 @pytest.mark.asyncio
 async def test_tinker_sessions_go_unless_written_again(tmp_path):
     """TINKER_SESSIONS and TINKER_SAMPLERS keep a record LOOPLINE_TINKER_SESSIONS_MAX_AGE_S past its

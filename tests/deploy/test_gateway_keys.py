@@ -18,6 +18,9 @@ from loopline.common.local import launcher
 from support.deploy import COMPOSE_STACKS, DOCKERFILE, ROOT, compose_config, dockerfile_stages
 from support.gateway_process import wait_until_up
 
+# A real gateway started per case (~13 s in all): out of the edit loop.
+pytestmark = pytest.mark.slow
+
 SCRIPT = ROOT / "deploy" / "docker" / "gateway_keys.py"
 KEYS_MOUNT = "/var/lib/loopline/keys"
 GATEWAY = [sys.executable, "-m", "loopline.gateway"]

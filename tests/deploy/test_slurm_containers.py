@@ -14,6 +14,9 @@ import pytest
 from support.deploy import ROOT
 from support.root import in_ci
 
+# Slurm daemons in namespaces, per GPU count (~7 s): out of the edit loop.
+pytestmark = pytest.mark.slow
+
 SCRIPT = ROOT / "tests" / "deploy" / "slurm_containers.sh"
 
 

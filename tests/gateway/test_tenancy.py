@@ -32,6 +32,9 @@ from support.gateway_process import BASE_MODEL, start_gateway
 from support.tinker_records import TinkerBus
 from support.training_data import EXAMPLES, archive, jsonlines
 
+# Four keys against a real gateway and trainer, every route family: ~25 s, so out of the edit loop.
+pytestmark = pytest.mark.slow
+
 KEYS = {name: new_key() for name in ("a", "b", "infer", "boss")}
 # Two tenants that train and use their adapters, a key that only generates, and an admin.
 SCOPES = {"a": ["training", "inference"], "b": ["training", "inference"], "infer": ["inference"],
