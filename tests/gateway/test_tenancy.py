@@ -6,16 +6,13 @@ never its status); ``latest`` is the caller's own latest; admin sees every job. 
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
-import threading
 import time
 from dataclasses import dataclass
 
 import httpx
 import pytest
-from nats.micro import add_service
 
 from loopline.common.contracts import subjects, tinker_names
 from loopline.common.contracts.job_layout import DATASET_FILE
@@ -23,11 +20,11 @@ from loopline.common.contracts.job_schemas import AdapterEvent
 from loopline.common.contracts.schemas import DeploymentInfo, WorkItem
 from loopline.common.contracts.tinker_schemas import FutureResult, TinkerSampler
 from loopline.common.local import launcher
-from loopline.common.runtime import bus
 from loopline.common.runtime.tinker_store import TinkerStore
 from loopline.gateway.auth.key_store import KeyEntry, KeyFile, key_hash, new_key, write_key_file
 from support import tinker_records as records
 from support.bus_view import BusView
+from support.census_replica import census_replica
 from support.gateway_process import BASE_MODEL, start_gateway
 from support.tinker_records import TinkerBus
 from support.training_data import EXAMPLES, archive, jsonlines
@@ -181,31 +178,10 @@ def test_without_keys_every_job_is_everyones(gateway, tmp_path):
 
 @pytest.fixture(scope="module")
 def base_served(nats_proc):
-    """The gateway's base model served, as far as the gateway can tell: its MODELS entry, and a
-    replica answering the census ($SRV.PING of the inference service) for its deployment. No
-    engine behind it: these tests read listings and routing, not answers."""
-    stop = threading.Event()
-    ready = threading.Event()
-
-    async def replica() -> None:
-        nc = await bus.connect(nats_proc.info["url"], "test-replica")
-        js = nc.jetstream()
-        await bus.ensure_topology(js)
-        info = DeploymentInfo(model=BASE_MODEL, deployment="base", max_model_len=256, engine="vllm")
-        models = await js.key_value(subjects.MODELS_BUCKET)
-        await models.put(info.deployment, info.model_dump_json().encode())
-        await add_service(nc, name=subjects.INFERENCE_SERVICE, version="0.1.0",
-                          metadata={"deployment": info.deployment, "replica": "test-replica"})
-        ready.set()
-        await asyncio.to_thread(stop.wait)
-        await nc.close()
-
-    thread = threading.Thread(target=asyncio.run, args=(replica(),), daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    yield BASE_MODEL
-    stop.set()
-    thread.join(10)
+    """The gateway's base model served, as far as the gateway can tell (support/census_replica.py)."""
+    info = DeploymentInfo(model=BASE_MODEL, deployment="base", max_model_len=256, engine="vllm")
+    with census_replica(nats_proc.info["url"], info):
+        yield BASE_MODEL
 
 
 def load_adapter(nats_url: str, job: str) -> None:

@@ -10,18 +10,13 @@ SDK; the replica is only its MODELS record and its census entry (no engine is ne
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import httpx
 import pytest
-from nats.micro import add_service
 
-from loopline.common.contracts import subjects
 from loopline.common.contracts.schemas import DeploymentInfo
-from loopline.common.runtime import bus
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.tinker.training_api import _check_unembed
+from support.census_replica import census_replica
 
 MISTRAL = DeploymentInfo(model="tiny-mistral", deployment="tiny-mistral", max_model_len=256, engine="vllm",
                          max_adapter_rank=32, architecture="MistralForCausalLM", lora_lm_head=False)
@@ -30,26 +25,8 @@ MISTRAL = DeploymentInfo(model="tiny-mistral", deployment="tiny-mistral", max_mo
 @pytest.fixture(scope="module")
 def mistral_served(nats_proc):
     """A deployment as a Mistral replica announces it, and a replica answering the census."""
-    stop, ready = threading.Event(), threading.Event()
-
-    async def replica() -> None:
-        nc = await bus.connect(nats_proc.info["url"], "test-mistral-replica")
-        js = nc.jetstream()
-        await bus.ensure_topology(js)
-        models = await js.key_value(subjects.MODELS_BUCKET)
-        await models.put(MISTRAL.deployment, MISTRAL.model_dump_json().encode())
-        await add_service(nc, name=subjects.INFERENCE_SERVICE, version="0.1.0",
-                          metadata={"deployment": MISTRAL.deployment, "replica": "test-mistral-replica"})
-        ready.set()
-        await asyncio.to_thread(stop.wait)
-        await nc.close()
-
-    thread = threading.Thread(target=asyncio.run, args=(replica(),), daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    yield MISTRAL.model
-    stop.set()
-    thread.join(10)
+    with census_replica(nats_proc.info["url"], MISTRAL, "test-mistral-replica"):
+        yield MISTRAL.model
 
 
 def create_model(http: httpx.Client, base_model: str, **lora: object) -> httpx.Response:
