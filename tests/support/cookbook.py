@@ -128,9 +128,10 @@ class RecipeRun(NamedTuple):
 
 
 def run_recipe(module: str, args: dict[str, Any], env: dict[str, str] | None = None,
-               timeout: float = 600) -> RecipeRun:
+               timeout: float = 600, cwd: Path | None = None) -> RecipeRun:
     """Run ``python -m module key=value ...`` in the cookbook venv and wait for it (at most
-    ``timeout`` seconds, then the process group is killed). ``args`` must hold ``log_path``."""
+    ``timeout`` seconds, then the process group is killed). ``args`` must hold ``log_path``; the
+    recipe runs in ``cwd`` (by default the folder beside its logs)."""
     log_path = Path(args["log_path"])
     argv = [str(cookbook_python()), "-m", module,
             *(f"{key}={value}" for key, value in args.items())]
@@ -139,7 +140,7 @@ def run_recipe(module: str, args: dict[str, Any], env: dict[str, str] | None = N
     # cwd beside the logs: whatever the recipe writes to a relative path stays there, not in the repo.
     with open(out_file, "wb", buffering=0) as out:  # the child holds its own copy of the descriptor
         popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=recipe_env(env), cwd=log_path.parent, start_new_session=True)
+                                 env=recipe_env(env), cwd=cwd or log_path.parent, start_new_session=True)
     proc = launcher.Proc(module, popen, out_file)
     try:
         returncode = popen.wait(timeout=timeout)
