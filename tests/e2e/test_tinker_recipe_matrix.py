@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from support.cookbook import cookbook_python
@@ -69,3 +70,40 @@ def test_recipe_runs_unmodified_with_its_defaults(matrix, case: RecipeCase):
     if case.check is not None:
         case.check(run, ctx)
     still_serves(stack.url)
+
+
+def test_a_teacher_and_a_student_each_train_sample_and_score_on_their_own_base(matrix):
+    """Two base models on one server, as distillation needs: a training client, sampling and
+    compute_logprobs on each, each answered by its own engine and its own session worker."""
+    import tinker
+    from tinker import types
+    from transformers import AutoTokenizer
+
+    stack, tiny, *_ = matrix
+    service = tinker.ServiceClient(base_url=stack.url, api_key="tml-loopline-test")
+    # Both bases share the tiny tokenizer; the SDK's get_tokenizer would look the Hub name up online.
+    tokens = AutoTokenizer.from_pretrained(tiny).encode("The quick brown fox jumps over the lazy dog")
+    prompt = types.ModelInput.from_ints(tokens)
+    scored: dict[str, list[float | None]] = {}
+    runs = {}
+    for base in (STUDENT, TEACHER):
+        training = service.create_lora_training_client(base_model=base, rank=4, seed=1).result()
+        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": types.TensorData.from_numpy(
+                                np.array(tokens[1:], dtype=np.int64))})
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        tuned = training.save_weights_and_get_sampling_client("matrix-" + base.split("/")[-1]).result()
+        answer = tuned.sample(prompt=prompt, num_samples=1,
+                              sampling_params=types.SamplingParams(max_tokens=3, seed=1)).result()
+        assert len(answer.sequences[0].tokens) == 3
+        base_client = service.create_sampling_client(base_model=base).result()
+        scored[base] = base_client.compute_logprobs(prompt).result()
+        assert tuned.compute_logprobs(prompt).result()[1:] != scored[base][1:]  # the adapter counts
+        runs[base] = training.model_id
+    # Other weights, other logprobs: each base was scored by its own engine.
+    student, teacher = (np.array(scored[b][1:], dtype=np.float64) for b in (STUDENT, TEACHER))
+    assert np.abs(student - teacher).max() > 1e-3
+    rest = tinker.RestClient(base_url=stack.url, api_key="tml-loopline-test")
+    for base, run_id in runs.items():
+        assert rest.get_training_run(run_id).result().base_model == base
