@@ -128,11 +128,12 @@ class RecipeRun(NamedTuple):
 
 
 def run_recipe(module: str, args: dict[str, Any], env: dict[str, str] | None = None,
-               timeout: float = 600, cwd: Path | None = None) -> RecipeRun:
+               timeout: float = 600, cwd: Path | None = None, log_path: Path | None = None) -> RecipeRun:
     """Run ``python -m module key=value ...`` in the cookbook venv and wait for it (at most
-    ``timeout`` seconds, then the process group is killed). ``args`` must hold ``log_path``; the
-    recipe runs in ``cwd`` (by default the folder beside its logs)."""
-    log_path = Path(args["log_path"])
+    ``timeout`` seconds, then the process group is killed). ``args`` must hold ``log_path`` unless
+    the recipe takes none and ``log_path`` says where it logs; the recipe runs in ``cwd`` (by
+    default the folder beside its logs)."""
+    log_path = Path(args["log_path"]) if log_path is None else log_path
     argv = [str(cookbook_python()), "-m", module,
             *(f"{key}={value}" for key, value in args.items())]
     out_file = _output_file(log_path)

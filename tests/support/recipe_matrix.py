@@ -55,6 +55,8 @@ class RecipeCase:
     standins: Mapping[str, standins.StandIn] = field(default_factory=dict)
     check: Callable[[RecipeRun, RecipeContext], None] | None = None  # beyond exit 0 and metrics rows
     min_metric_rows: int = 1  # rows metrics.jsonl must hold after the run
+    # Where a recipe that takes no ``log_path`` argument logs (it is run without one); None: log_path.
+    log_dir: Callable[[RecipeContext], Path] | None = None
     timeout_s: float = 300
 
 
@@ -103,10 +105,13 @@ def context(base_url: str, tiny: Path, teacher: Path, work: Path, case_name: str
 
 def run_case(case: RecipeCase, ctx: RecipeContext) -> RecipeRun:
     """Run ``case`` unmodified in ``ctx.work``, its stand-in data in place."""
-    env = {}
+    # Recipes without a base_url argument (preference.shorter, the RLHF pipeline) find the server
+    # in the environment; those that log under the runs directory by default log in the case's folder.
+    env = {"TINKER_BASE_URL": ctx.base_url, "TINKER_COOKBOOK_RUNS_DIR": str(ctx.work / "runs")}
     if case.standins:
-        env = standins.environment(standins.write_table(ctx.work / "standins", case.standins))
-    return run_recipe(case.module, case.args(ctx), env=env, timeout=case.timeout_s, cwd=ctx.work)
+        env.update(standins.environment(standins.write_table(ctx.work / "standins", case.standins)))
+    return run_recipe(case.module, case.args(ctx), env=env, timeout=case.timeout_s, cwd=ctx.work,
+                      log_path=case.log_dir(ctx) if case.log_dir else None)
 
 
 def all_cases() -> list[RecipeCase]:
@@ -116,8 +121,24 @@ def all_cases() -> list[RecipeCase]:
     return list(CASES)
 
 
+TABLE_START = "<!-- recipe-matrix: written by `python -m support.recipe_matrix table`; checked by tests -->"
+TABLE_END = "<!-- /recipe-matrix -->"
+
+
+def table(cases: list[RecipeCase]) -> str:
+    """docs/tinker.md's recipe table: one row a case of the matrix, which must pass for main to land."""
+    rows = [TABLE_START, "", "| recipe | module (`tinker_cookbook.recipes.`) | loss (the recipe's default "
+            "unless the row names one) | Tinker features it uses | data here |", "|---|---|---|---|---|"]
+    for case in cases:
+        module = case.module.removeprefix("tinker_cookbook.recipes.")
+        data = ", ".join(f"stand-in for `{name}`" for name in case.standins) or "its own"
+        features = ", ".join(case.features)
+        rows.append(f"| {case.name} | `{module}` | {case.default_loss} | {features} | {data} |")
+    return "\n".join([*rows, "", TABLE_END])
+
+
 def main() -> None:
-    """For working on a case by hand, from tests/:
+    """For working on a case by hand, from tests/ (``table`` prints docs/tinker.md's recipe table):
     ``../.venv/bin/python -m support.recipe_matrix serve DIR`` starts the matrix stack (until ^C);
     ``../.venv/bin/python -m support.recipe_matrix run URL DIR "case name"`` runs one case against it
     (the same DIR: the teacher's folder is there; the case's files go to DIR/cases)."""
@@ -126,7 +147,11 @@ def main() -> None:
 
     from support.stacks import make_stack, tiny_model
 
-    command, url_or_dir, *rest = sys.argv[1:]
+    command, *rest = sys.argv[1:]
+    if command == "table":
+        print(table(all_cases()))
+        return
+    url_or_dir, *rest = rest
     tiny = Path(tiny_model())
     if command == "serve":
         state = Path(url_or_dir)

@@ -5,14 +5,12 @@ Every case keeps its recipe's loss and algorithm defaults and shrinks only sizes
 group, tokens, rank where noted), so each runs 2 steps on the tiny model. Recipes that take no
 ``base_url`` (shorter, the RLHF pipeline) reach the server through ``TINKER_BASE_URL``, which the
 frame's ``run_case`` must set (with ``TINKER_COOKBOOK_RUNS_DIR``); the pipeline takes no
-``log_path`` either, so ``run_case`` reads its metrics where ``PipelineCase.log_dir`` says.
+``log_path`` either, so ``run_case`` reads its metrics where ``RecipeCase.log_dir`` says.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -173,15 +171,6 @@ def multi_teacher_args(ctx: RecipeContext) -> dict[str, Any]:
             "eval_every": 0, "save_every": 0, "max_steps": 2}
 
 
-@dataclass(frozen=True)
-class PipelineCase(RecipeCase):
-    """A recipe that takes neither ``base_url`` nor ``log_path``: it finds the server in its
-    environment and logs under the runs directory. ``log_dir`` says where (the frame runs it
-    without a ``log_path`` argument and reads metrics from there)."""
-
-    log_dir: Callable[[RecipeContext], Path] | None = None
-
-
 CASES: tuple[RecipeCase, ...] = (
     RecipeCase(
         name="preference.shorter",
@@ -199,7 +188,7 @@ CASES: tuple[RecipeCase, ...] = (
         features=("forward_backward_custom", "optim_step", "checkpoints", "compute_logprobs"),
         standins={"Anthropic/hh-rlhf": hh_rlhf},
     ),
-    PipelineCase(
+    RecipeCase(
         name="preference.rlhf",
         module="tinker_cookbook.recipes.preference.rlhf.rlhf_pipeline",
         args=rlhf_args,
