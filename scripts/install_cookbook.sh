@@ -31,11 +31,13 @@ pip install -q torch==2.13.0
 # the cookbook; 5.19.0 is the version .venv has, so both venvs tokenize alike.
 pip install -q torch==2.13.0 tinker==0.38.0 transformers==5.19.0 aiohttp anyio blobfile chz \
   cloudpickle datasets huggingface-hub numpy pillow pydantic pyrage rich safetensors termcolor \
-  tiktoken tqdm pylatexenc math-verify sympy matplotlib
+  tiktoken tqdm pylatexenc math-verify sympy matplotlib textarena
 pip install -q --no-deps tinker-cookbook==0.6.1
 
-# The two recipes that run offline (tinker-api.md §9); importing them proves the set is complete.
-"$VENV/bin/python" -c "import tinker_cookbook.recipes.math_rl.train, tinker_cookbook.recipes.chat_sl.train"
+# textarena: the cookbook's multiplayer-rl extra, which multiplayer_rl.text_arena imports.
+# Importing the recipes proves the set is complete (the recipe matrix runs them all).
+"$VENV/bin/python" -c "import tinker_cookbook.recipes.math_rl.train, tinker_cookbook.recipes.chat_sl.train, \
+tinker_cookbook.recipes.multiplayer_rl.text_arena.train, textarena"
 
 echo "$want" > "$stamp"
 echo "installed tinker-cookbook into $VENV"

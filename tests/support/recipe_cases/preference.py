@@ -185,7 +185,7 @@ CASES: tuple[RecipeCase, ...] = (
         module="tinker_cookbook.recipes.preference.dpo.train",
         args=dpo_args,
         default_loss="dpo (custom)",
-        features=("forward_backward_custom", "optim_step", "checkpoints", "compute_logprobs"),
+        features=("forward_backward_custom", "optim_step", "saved checkpoints", "compute_logprobs"),
         standins={"Anthropic/hh-rlhf": hh_rlhf},
     ),
     RecipeCase(
@@ -193,7 +193,7 @@ CASES: tuple[RecipeCase, ...] = (
         module="tinker_cookbook.recipes.preference.rlhf.rlhf_pipeline",
         args=rlhf_args,
         default_loss="cross_entropy (SFT, reward model), importance_sampling (RL)",
-        features=("forward_backward", "optim_step", "sampling", "checkpoints"),
+        features=("forward_backward", "optim_step", "sampling", "saved checkpoints"),
         standins={"HuggingFaceH4/no_robots": no_robots, "Anthropic/hh-rlhf": hh_rlhf},
         log_dir=rlhf_log_dir,
         timeout_s=600,

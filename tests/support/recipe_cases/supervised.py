@@ -95,7 +95,7 @@ def check_sdft_topk(run: RecipeRun, ctx: RecipeContext) -> None:
         assert row.get("sdft/mean_teacher_entropy", 0) > 0, row
 
 
-SUPERVISED = ("forward_backward", "optim_step", "checkpoints")
+SUPERVISED = ("forward_backward", "optim_step", "saved checkpoints")
 
 CASES: tuple[RecipeCase, ...] = (
     RecipeCase("chat_sl", "tinker_cookbook.recipes.chat_sl.train", chat_sl,
