@@ -142,6 +142,7 @@ def main() -> None:
     ``../.venv/bin/python -m support.recipe_matrix serve DIR`` starts the matrix stack (until ^C);
     ``../.venv/bin/python -m support.recipe_matrix run URL DIR "case name"`` runs one case against it
     (the same DIR: the teacher's folder is there; the case's files go to DIR/cases)."""
+    import signal
     import sys
     import time
 
@@ -159,6 +160,8 @@ def main() -> None:
         stack = make_stack(state / "stack", models(tiny, teacher), **stack_env(tiny, teacher))
         stack.start()
         print(f"matrix stack up at {stack.url}", flush=True)
+        # TERM as ^C, so a `kill` also stops the stack's processes (finally below), not only this one.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
             while True:
                 time.sleep(3600)
