@@ -1,0 +1,250 @@
+"""The cookbook's math_rl recipe (arithmetic env) computed in one process, no server: the reference
+that the platform's RL curve (docs/tinker/math_rl.metrics.jsonl) is compared with (issue 24).
+
+    .venv-cookbook/bin/python bench/rl_in_process.py --seed 0 --iterations 24 --out /tmp/inproc.jsonl
+
+Run with the cookbook's venv (not the platform's): problems, prompts, rewards, rollouts, metrics,
+advantages and datums are the cookbook's own (ArithmeticDatasetBuilder, do_group_rollout,
+compute_trajectory_metrics, compute_advantages, assemble_training_data). What the server would do
+is done here: sampling (a TokenCompleter over a local transformers model), LoRA as the Tinker worker
+sets it up (rank r, alpha 32, q/k/v/o/gate/up/down and lm_head, A Kaiming-uniform, B zero), the
+importance_sampling loss summed over every token of every datum, and one AdamW step per iteration
+with the AdamParams the cookbook's rl/train.py sends. Float32 on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+# bench/tinker.py (a platform benchmark) would shadow the SDK: the venv's packages come first.
+sys.path.insert(0, sysconfig.get_paths()["purelib"])
+
+import tinker
+import torch
+from tinker_cookbook.completers import StopCondition, TokenCompleter, TokensWithLogprobs
+from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
+from tinker_cookbook.rl.data_processing import (
+    assemble_training_data,
+    compute_advantages,
+    remove_constant_reward_groups,
+)
+from tinker_cookbook.rl.metric_util import compute_trajectory_metrics
+from tinker_cookbook.rl.metrics import compute_kl_sample_train
+from tinker_cookbook.rl.rollouts import do_group_rollout
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM
+
+MODEL = str(Path(__file__).resolve().parent.parent / ".loopline/models/SmolLM2-135M-Instruct")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+LORA_ALPHA = 32.0  # the worker's constant: Tinker's LoraConfig carries only the rank
+
+
+class LoraLinear(nn.Module):
+    """y = W x + (alpha / r) B A x, W frozen; B starts at zero so step 0 is the base model."""
+
+    def __init__(self, base: nn.Linear, rank: int, generator: torch.Generator):
+        super().__init__()
+        self.base = base  # lm_head's weight stays tied to the embeddings
+        a = torch.empty(rank, base.in_features)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        self.lora_a = nn.Parameter(a)
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))
+        self.scale = LORA_ALPHA / rank
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.base(x) + self.scale * ((x @ self.lora_a.T) @ self.lora_b.T)
+
+
+def add_lora(model: nn.Module, rank: int, seed: int) -> list[nn.Parameter]:
+    """Wrap the targets in sorted path order, A drawn from one seeded generator, as the worker does."""
+    model.requires_grad_(False)
+    generator = torch.Generator().manual_seed(seed)
+    paths = sorted(p for p, m in model.named_modules()
+                   if p.rsplit(".", 1)[-1] in TARGETS and isinstance(m, nn.Linear))
+    params: list[nn.Parameter] = []
+    for path in paths:
+        parent, _, leaf = path.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        wrapper = LoraLinear(getattr(owner, leaf), rank, generator)
+        setattr(owner, leaf, wrapper)
+        params += [wrapper.lora_a, wrapper.lora_b]
+    return params
+
+
+class BatchSampler(TokenCompleter):
+    """The cookbook's rollouts ask for one sample per env; this holds the calls until all `expected`
+    of an iteration have arrived and samples them in one batch (32 separate generate loops would
+    cost ~10x on two cores). Tinker-like: plain temperature sampling over the full vocabulary (no
+    top-k/top-p), the response keeps the stop sequence's tokens or the EOS that ended it."""
+
+    def __init__(self, model: nn.Module, tokenizer, expected: int, max_tokens: int,
+                 temperature: float):
+        self.model, self.tokenizer, self.expected = model, tokenizer, expected
+        self.max_tokens, self.temperature = max_tokens, temperature
+        self.pending: list[tuple[list[int], StopCondition, asyncio.Future[TokensWithLogprobs]]] = []
+
+    async def __call__(self, model_input: tinker.ModelInput, stop: StopCondition, *,
+                       max_tokens: int | None = None) -> TokensWithLogprobs:
+        future: asyncio.Future[TokensWithLogprobs] = asyncio.get_running_loop().create_future()
+        self.pending.append((model_input.to_ints(), stop, future))
+        if len(self.pending) == self.expected:
+            batch, self.pending = self.pending, []
+            for (_, _, fut), result in zip(batch, self.sample([(p, s) for p, s, _ in batch]),
+                                           strict=True):
+                fut.set_result(result)
+        return await future
+
+    @torch.no_grad()
+    def sample(self, requests: list[tuple[list[int], StopCondition]]) -> list[TokensWithLogprobs]:
+        # A group's samples share one prompt: prefill each distinct prompt once, then copy its cache.
+        distinct = list(dict.fromkeys(tuple(p) for p, _ in requests))
+        rows = torch.tensor([distinct.index(tuple(p)) for p, _ in requests])
+        n, width = len(requests), max(len(p) for p in distinct)
+        pad = self.tokenizer.pad_token_id or 0
+        # Left padding so every row's next token is at the last column.
+        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in distinct])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in distinct])
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1)
+        out.past_key_values.reorder_cache(rows)
+        logits, mask, positions = out.logits[rows, -1], mask[rows], positions[rows]
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        stopped = [False] * n
+        for _ in range(self.max_tokens):
+            logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+            nxt = torch.multinomial(logp.exp(), 1)
+            for i, (_, stop) in enumerate(requests):
+                if stopped[i]:
+                    continue
+                tok = int(nxt[i, 0])
+                tokens[i].append(tok)
+                logprobs[i].append(float(logp[i, tok]))
+                text = self.tokenizer.decode(tokens[i])
+                stopped[i] = (tok == self.tokenizer.eos_token_id or tok in stop
+                              or any(isinstance(s, str) and s in text for s in stop))
+            if all(stopped):
+                break
+            mask = torch.cat([mask, torch.ones(n, 1, dtype=mask.dtype)], dim=-1)
+            positions = positions[:, -1:] + 1
+            out = self.model(input_ids=nxt, attention_mask=mask, position_ids=positions,
+                             past_key_values=out.past_key_values, use_cache=True)
+            logits = out.logits[:, -1]
+        return [TokensWithLogprobs(tokens=t, maybe_logprobs=lp, stop_reason="stop" if s else "length")
+                for t, lp, s in zip(tokens, logprobs, stopped, strict=True)]
+
+
+def importance_sampling_loss(model: nn.Module, data: list[tinker.Datum]) -> tuple[Tensor, list[Tensor]]:
+    """Tinker's importance_sampling, -sum_t exp(lp - lp_sampler) * A, summed over every datum (no
+    mean); prompt positions carry A = 0 and add nothing. Also the learner's logprobs per datum."""
+    inputs = [d.model_input.to_ints() for d in data]
+    width = max(len(x) for x in inputs)
+
+    def padded(key: str) -> Tensor:
+        rows = [d.loss_fn_inputs[key].to_torch().float() for d in data]
+        return torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in rows])
+
+    ids = torch.tensor([x + [0] * (width - len(x)) for x in inputs])
+    real = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in inputs])
+    targets = padded("target_tokens").long()
+    logits = model(input_ids=ids, attention_mask=real).logits.float()
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    per_token = -torch.exp(lp - padded("logprobs")) * padded("advantages")
+    loss = torch.where(real.bool(), per_token, 0.0).sum()
+    return loss, [lp[i, :len(x)].detach() for i, x in enumerate(inputs)]
+
+
+def append_line(path: str, line: str) -> None:
+    with open(path, "a") as f:  # reopened per row: a killed run keeps the rows it finished
+        f.write(line + "\n")
+
+
+async def run(args: argparse.Namespace) -> None:
+    torch.manual_seed(args.seed)
+    dataset, _ = await ArithmeticDatasetBuilder(
+        batch_size=args.groups, model_name_for_tokenizer=args.model, renderer_name="role_colon",
+        n_batches=100, include_fewshot=True, group_size=args.group_size)()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    params = add_lora(model, args.rank, args.seed)
+    # What the cookbook's rl/train.py sends each step; the other fields are the SDK's defaults.
+    adam = tinker.AdamParams(learning_rate=args.lr, beta1=0.9, beta2=0.95, eps=1e-8)
+    print(f"AdamParams: {adam}; trainable parameters: {sum(p.numel() for p in params)}", flush=True)
+    assert adam.grad_clip_norm == 0.0  # no clipping, as the worker does for 0
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer = torch.optim.AdamW(params, lr=adam.learning_rate, betas=(adam.beta1, adam.beta2),
+                                  eps=adam.eps, weight_decay=adam.weight_decay)
+    sampler = BatchSampler(model, dataset.renderer.tokenizer, args.groups * args.group_size,
+                           args.max_tokens, args.temperature)
+    rewards: list[float] = []
+    for step in range(args.iterations):
+        start = time.monotonic()
+        builders = dataset.get_batch(step)
+        model.eval()
+        groups = list(await asyncio.gather(*(do_group_rollout(b, sampler) for b in builders)))
+        sampled = time.monotonic()
+        metrics = compute_trajectory_metrics(groups, [b.logging_tags() for b in builders])
+        # The recipe's Config leaves remove_constant_reward_groups False.
+        kept = remove_constant_reward_groups(groups) if args.remove_constant_reward_groups else groups
+        data, _ = assemble_training_data(kept, compute_advantages(kept))
+        model.train()
+        # A datum whose advantages are all zero (its group's rewards were equal) adds exactly zero
+        # to the loss and gradient: only the others go through the model, to save CPU time.
+        trained = [d for d in data if d.loss_fn_inputs["advantages"].to_torch().any()]
+        loss, kl = 0.0, None  # kl: None when nothing was trained
+        if trained:
+            summed, train_lp = importance_sampling_loss(model, trained)
+            summed.backward()
+            loss = summed.item()
+            kl = compute_kl_sample_train(trained, train_lp)["optim/kl_sample_train_v1"]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, math.inf))
+        # Zero gradients (not None) still take an AdamW step, its momentum moving the weights, as
+        # the platform's optim_step does after a forward_backward whose advantages were all zero.
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        # What the platform's optim/entropy measures (-mean sampler logprob of all sampled tokens).
+        sampled_lp = [lp for g in groups for t in g.trajectories_G for lp in t.transitions[0].ac.logprobs]
+        row = {"step": step, **{f"env/all/{k}": metrics[f"env/all/{k}"] for k in (
+            "reward/total", "correct", "format", "by_group/frac_mixed", "ac_tokens_per_turn")},
+            "loss": loss, "grad_norm": grad_norm, "datums": len(data), "trained_datums": len(trained),
+            "kl_sample_train_v1": kl, "sampled_entropy": -sum(sampled_lp) / len(sampled_lp),
+            "seconds": round(time.monotonic() - start, 1), "sampling_s": round(sampled - start, 1)}
+        rewards.append(row["env/all/reward/total"])
+        append_line(args.out, json.dumps(row))
+        print(json.dumps(row), flush=True)
+    third = len(rewards) // 3
+    if third:
+        first, last = sum(rewards[:third]) / third, sum(rewards[-third:]) / third
+        print(f"mean reward: first third {first:+.3f}, last third {last:+.3f}, "
+              f"difference {last - first:+.3f} ({len(rewards)} iterations)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--iterations", type=int, default=24)
+    parser.add_argument("--out", default="/tmp/rl_in_process.jsonl")
+    parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--groups", type=int, default=8, help="groups_per_batch (problems)")
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--remove-constant-reward-groups", action="store_true",
+                        help="drop groups whose rewards are all equal (zero advantage anyway)")
+    args = parser.parse_args()
+    Path(args.out).write_text("")
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()
