@@ -6,6 +6,7 @@
 #
 #   docs/tinker/run_cookbook.sh            # both recipes
 #   RECIPES=math_rl docs/tinker/run_cookbook.sh
+#   RECIPES="math_rl_default.seed0 math_rl_default.seed1" docs/tinker/run_cookbook.sh  # default loss
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 repo=$PWD
@@ -60,6 +61,15 @@ for recipe in $recipes; do
         renderer_name=role_colon env=arithmetic group_size=4 groups_per_batch=8 max_tokens=16 \
         learning_rate=3e-4 lora_rank=32 loss_fn=importance_sampling max_steps=40 save_every=8 \
         log_path="$work/math_rl" behavior_if_log_dir_exists=delete
+      keys=(env/all/reward/total env/all/correct env/all/format) ;;
+    math_rl_default.seed*)
+      # Issue 24 item 6: the same command line without loss_fn, so the recipe trains with its own
+      # default, stable_reinforce, for 24 iterations. The arithmetic task makes the same problems
+      # whatever the seed (it seeds each batch by its index); the runs differ in what vLLM samples.
+      cookbook tinker_cookbook.recipes.math_rl.train base_url="$url" model_name="$model" \
+        renderer_name=role_colon env=arithmetic group_size=4 groups_per_batch=8 max_tokens=16 \
+        learning_rate=3e-4 lora_rank=32 max_steps=24 save_every=8 seed="${recipe#*.seed}" \
+        log_path="$work/$recipe" behavior_if_log_dir_exists=delete
       keys=(env/all/reward/total env/all/correct env/all/format) ;;
     chat_sl)
       dataset=$(ls "$repo"/.venv-cookbook/lib/python3*/site-packages/tinker_cookbook/example_data/conversations.jsonl)
