@@ -2,6 +2,7 @@
 that the platform's RL curve (docs/tinker/math_rl.metrics.jsonl) is compared with (issue 24).
 
     .venv-cookbook/bin/python bench/rl_in_process.py --seed 0 --iterations 24 --out /tmp/inproc.jsonl
+    .venv-cookbook/bin/python bench/rl_in_process.py --seed 0 --server http://127.0.0.1:8000 ...
 
 Run with the cookbook's venv (not the platform's): problems, prompts, rewards, rollouts, metrics,
 advantages and datums are the cookbook's own (ArithmeticDatasetBuilder, do_group_rollout,
@@ -28,7 +29,7 @@ sys.path.insert(0, sysconfig.get_paths()["purelib"])
 
 import tinker
 import torch
-from tinker_cookbook.completers import StopCondition, TokenCompleter, TokensWithLogprobs
+from tinker_cookbook.completers import StopCondition, TinkerTokenCompleter, TokenCompleter, TokensWithLogprobs
 from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
 from tinker_cookbook.rl.data_processing import (
     assemble_training_data,
@@ -162,6 +163,43 @@ def importance_sampling_loss(model: nn.Module, data: list[tinker.Datum]) -> tupl
     return loss, [lp[i, :len(x)].detach() for i, x in enumerate(inputs)]
 
 
+class Server:
+    """``--server URL``: the same loop, with a Loopline server sampling and training (through the
+    SDK) from a LoRA drawn from the same seed, so only the executor differs from the in-process run.
+    (The recipe's own loop, rl/train.py, also pipelines its calls and saves named checkpoints.)"""
+
+    def __init__(self, client: tinker.TrainingClient, args: argparse.Namespace):
+        self.client, self.args = client, args
+        self.completer: TokenCompleter | None = None
+
+    @classmethod
+    async def start(cls, args: argparse.Namespace) -> Server:
+        service = tinker.ServiceClient(base_url=args.server, api_key="tml-loopline")
+        client = await service.create_lora_training_client_async(base_model=args.model, rank=args.rank,
+                                                                 seed=args.seed)
+        server = cls(client, args)
+        await server.new_sampler(0)
+        return server
+
+    async def new_sampler(self, step: int) -> None:
+        sampler = await self.client.save_weights_and_get_sampling_client(f"rl-{step}")
+        self.completer = TinkerTokenCompleter(sampler, max_tokens=self.args.max_tokens,
+                                              temperature=self.args.temperature)
+
+    async def train(self, data: list[tinker.Datum], adam: tinker.AdamParams,
+                    step: int) -> tuple[float, float, float]:
+        """forward_backward then optim_step, each awaited; (loss, grad_norm, kl_sample_train_v1)."""
+        # The recipe drops "mask" before sending (rl/train.py's _remove_mask): it is not a loss input.
+        sent = [tinker.Datum(model_input=d.model_input, loss_fn_inputs={
+            k: v for k, v in d.loss_fn_inputs.items() if k != "mask"}) for d in data]
+        passed = await (await self.client.forward_backward_async(sent, "importance_sampling"))
+        stepped = await (await self.client.optim_step_async(adam))
+        learner = [out["logprobs"].to_torch() for out in passed.loss_fn_outputs]
+        kl = compute_kl_sample_train(data, learner)["optim/kl_sample_train_v1"]
+        await self.new_sampler(step + 1)
+        return passed.metrics["loss:sum"], stepped.metrics["grad_norm:mean"], kl
+
+
 def append_line(path: str, line: str) -> None:
     with open(path, "a") as f:  # reopened per row: a killed run keeps the rows it finished
         f.write(line + "\n")
@@ -184,12 +222,15 @@ async def run(args: argparse.Namespace) -> None:
                                   eps=adam.eps, weight_decay=adam.weight_decay)
     sampler = BatchSampler(model, dataset.renderer.tokenizer, args.groups * args.group_size,
                            args.max_tokens, args.temperature)
+    server = await Server.start(args) if args.server else None
     rewards: list[float] = []
     for step in range(args.iterations):
         start = time.monotonic()
         builders = dataset.get_batch(step)
         model.eval()
-        groups = list(await asyncio.gather(*(do_group_rollout(b, sampler) for b in builders)))
+        completer = sampler if server is None else server.completer
+        assert completer is not None
+        groups = list(await asyncio.gather(*(do_group_rollout(b, completer) for b in builders)))
         sampled = time.monotonic()
         metrics = compute_trajectory_metrics(groups, [b.logging_tags() for b in builders])
         # The recipe's Config leaves remove_constant_reward_groups False.
@@ -200,16 +241,19 @@ async def run(args: argparse.Namespace) -> None:
         # to the loss and gradient: only the others go through the model, to save CPU time.
         trained = [d for d in data if d.loss_fn_inputs["advantages"].to_torch().any()]
         loss, kl = 0.0, None  # kl: None when nothing was trained
-        if trained:
-            summed, train_lp = importance_sampling_loss(model, trained)
-            summed.backward()
-            loss = summed.item()
-            kl = compute_kl_sample_train(trained, train_lp)["optim/kl_sample_train_v1"]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, math.inf))
-        # Zero gradients (not None) still take an AdamW step, its momentum moving the weights, as
-        # the platform's optim_step does after a forward_backward whose advantages were all zero.
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        if server is not None:
+            loss, grad_norm, kl = await server.train(data, adam, step)
+        else:
+            if trained:
+                summed, train_lp = importance_sampling_loss(model, trained)
+                summed.backward()
+                loss = summed.item()
+                kl = compute_kl_sample_train(trained, train_lp)["optim/kl_sample_train_v1"]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, math.inf))
+            # Zero gradients (not None) still take an AdamW step, its momentum moving the weights,
+            # as the platform's optim_step does after a forward_backward whose advantages were all 0.
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
         # What the platform's optim/entropy measures (-mean sampler logprob of all sampled tokens).
         sampled_lp = [lp for g in groups for t in g.trajectories_G for lp in t.transitions[0].ac.logprobs]
         row = {"step": step, **{f"env/all/{k}": metrics[f"env/all/{k}"] for k in (
@@ -239,6 +283,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--server", help="sample and train through this Loopline server instead "
+                        "(its URL; SmolLM2 served under --model's folder)")
     parser.add_argument("--remove-constant-reward-groups", action="store_true",
                         help="drop groups whose rewards are all equal (zero advantage anyway)")
     args = parser.parse_args()

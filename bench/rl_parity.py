@@ -78,6 +78,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("url")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--pipelined", action="store_true",
+                        help="send each step's optim_step before forward_backward has answered")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(ip.MODEL)
     torch.manual_seed(0)
@@ -94,8 +96,12 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        client.forward_backward(data, "importance_sampling").result()
-        client.optim_step(ADAM).result()
+        if args.pipelined:  # as the recipe's rl/train.py: both sent before either answer is read
+            passed, stepped = client.forward_backward(data, "importance_sampling"), client.optim_step(ADAM)
+            passed.result(), stepped.result()
+        else:
+            client.forward_backward(data, "importance_sampling").result()
+            client.optim_step(ADAM).result()
         with torch.no_grad():
             here = sums(ip.importance_sampling_loss(model, data)[1], data)
         served = client.forward(data, "importance_sampling").result()
