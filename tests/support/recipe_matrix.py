@@ -46,10 +46,10 @@ class RecipeContext:
 class RecipeCase:
     """One row of the matrix and of docs/tinker.md's recipe table."""
 
-    name: str  # the row's name, e.g. "math_rl (default loss)"
+    name: str  # the row's name, e.g. "math_rl (async)"
     module: str  # run as ``python -m module key=value ...``
     args: Callable[[RecipeContext], dict[str, Any]]  # the key=value arguments (sized for 2-3 steps)
-    default_loss: str  # the loss the recipe trains with by default
+    default_loss: str  # the loss it trains with: the recipe's default unless the case names one
     features: tuple[str, ...]  # the Tinker features it exercises (docs/tinker.md's table)
     # Hub datasets it reads, each replaced by a local stand-in of the same columns.
     standins: Mapping[str, standins.StandIn] = field(default_factory=dict)
