@@ -55,8 +55,12 @@ def test_up_starts_everything_and_ctrl_c_leaves_nothing_behind(tmp_path):
     env = {**os.environ, "LOOPLINE_MODEL": tiny_model(), "LOOPLINE_STATE_DIR": str(state),
            "LOOPLINE_MODELS_DIR": str(MODELS_DIR), "LOOPLINE_PORT": str(port),
            "LOOPLINE_NATS_PORT": str(free_port()), "LOOPLINE_NATS_MONITOR_PORT": str(free_port())}
+    # SIGINT as a terminal delivers it: a test run started in the background (`cmd &` without job
+    # control, as CI scripts do) inherits SIGINT ignored, and Python then never raises
+    # KeyboardInterrupt, so up would not hear the Ctrl-C this test sends.
     up = subprocess.Popen([sys.executable, "-m", "loopline.common.local.up"], env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+                          stderr=subprocess.STDOUT, text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lines = []
         deadline = time.monotonic() + 300
