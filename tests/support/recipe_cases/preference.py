@@ -17,6 +17,7 @@ from typing import Any
 from support import standins
 from support.cookbook import RecipeRun
 from support.recipe_matrix import STUDENT_RENDERER, RecipeCase, RecipeContext
+from support.standins import supervised_data
 
 # --- stand-in data: a few rows of each Hub dataset's own columns -------------------------------
 
@@ -39,22 +40,6 @@ def _hh_rows(offset: int, count: int) -> list[dict[str, str]]:
 def hh_rlhf(folder: Path) -> dict[str, Path]:
     return {"train": standins.write_jsonl(folder / "train.jsonl", _hh_rows(0, 8)),
             "test": standins.write_jsonl(folder / "test.jsonl", _hh_rows(8, 2))}
-
-
-def _no_robots_rows(offset: int, count: int) -> list[dict[str, Any]]:
-    """HuggingFaceH4/no_robots rows: prompt, prompt_id, messages (user then assistant), category."""
-    rows = []
-    for i in range(offset, offset + count):
-        question, good, _ = _QA[i % len(_QA)]
-        rows.append({"prompt": question, "prompt_id": f"{i:064x}", "category": "Open QA",
-                     "messages": [{"role": "user", "content": question},
-                                  {"role": "assistant", "content": good}]})
-    return rows
-
-
-def no_robots(folder: Path) -> dict[str, Path]:
-    return {"train": standins.write_jsonl(folder / "train.jsonl", _no_robots_rows(0, 8)),
-            "test": standins.write_jsonl(folder / "test.jsonl", _no_robots_rows(8, 2))}
 
 
 def deepmath(folder: Path) -> dict[str, Path]:
@@ -194,7 +179,7 @@ CASES: tuple[RecipeCase, ...] = (
         args=rlhf_args,
         default_loss="cross_entropy (SFT, reward model), importance_sampling (RL)",
         features=("forward_backward", "optim_step", "sampling", "saved checkpoints"),
-        standins={"HuggingFaceH4/no_robots": no_robots, "Anthropic/hh-rlhf": hh_rlhf},
+        standins={"HuggingFaceH4/no_robots": supervised_data.no_robots, "Anthropic/hh-rlhf": hh_rlhf},
         log_dir=rlhf_log_dir,
         timeout_s=600,
     ),

@@ -84,10 +84,8 @@ def _rubric(ctx: RecipeContext) -> dict[str, Any]:
     """rubric.train on stand-in addition data at its default paths, graded by the teacher base
     model; 2 steps of 2 groups x 2 samples, 4 test points."""
     folder = ctx.work / RUBRIC_DATA
-    folder.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", rubric_rows(16, 1)), ("test", rubric_rows(4, 2))):
-        (folder / f"example_rubric_{name}.jsonl").write_text(
-            "".join(json.dumps(row) + "\n" for row in rows))
+        standins.write_jsonl(folder / f"example_rubric_{name}.jsonl", rows)
     return {"base_url": ctx.base_url, "model_name": ctx.student, "renderer_name": STUDENT_RENDERER,
             "grader_llm_name": ctx.teacher, "grader_renderer_name": STUDENT_RENDERER,
             "groups_per_batch": 2, "train_group_size": 2, "max_tokens": 8, "max_steps": 2,
