@@ -68,8 +68,10 @@ def test_train_and_get_with_the_scalarlm_client(llm, trainer):
         assert fetched["job_status"]["model_name"] == job_hash and fetched["job_config"]["max_steps"] == 7
     listed = llm.list_models()["models"]
     assert listed[0]["name"] == job_hash and listed[0]["status"] == "QUEUED"
+    # ScalarLM's fields, and ours: why a replica refused the job's newest checkpoint (None here).
     assert set(listed[0]) == {"name", "deployed", "status", "start_time", "step", "max_steps",
-                              "train_time", "loss"}
+                              "train_time", "loss", "deployment_error"}
+    assert listed[0]["deployment_error"] is None
 
 
 def test_same_data_twice_is_one_job_and_one_stored_dataset(llm, http, trainer, nats_bus):

@@ -70,6 +70,12 @@ class AdapterRegistry:
     def deployed(self, job_hash: str) -> bool:
         return job_hash in self.served
 
+    def deployment_error(self, job_hash: str) -> str | None:
+        """Why the job's newest checkpoint is not served: the reason of its rejection by a replica
+        (or by the checkpoint-watcher), kept until a later checkpoint loads. With ``deployed``
+        false, no replica serves the job at all; with it true, an older checkpoint still answers."""
+        return self.rejected.get(job_hash)
+
     def latest(self, base_models: set[str]) -> ServedAdapter | None:
         """The job first loaded most recently, among those adapting a model being served."""
         candidates = [a for a in self.served.values() if a.base_model in base_models]

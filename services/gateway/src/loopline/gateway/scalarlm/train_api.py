@@ -57,7 +57,8 @@ async def list_models(request: Request):
     """The key's own jobs (every job with admin, or with no keys)."""
     jobs = await trainer_of(request).list(tenant_of(request))
     adapters = gateway_of(request).adapters
-    return ModelList(models=[model_entry(info, adapters.deployed(info.job_hash)) for info in jobs.jobs])
+    return ModelList(models=[model_entry(info, adapters.deployed(info.job_hash),
+                                         adapters.deployment_error(info.job_hash)) for info in jobs.jobs])
 
 
 async def own_job(request: Request, job: str) -> str:

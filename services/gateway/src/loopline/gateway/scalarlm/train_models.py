@@ -41,11 +41,15 @@ class TrainResponse(BaseModel):
     job_status: JobStatusBody
     job_config: dict[str, Any]
     deployed: bool
+    # Not ScalarLM's (its client passes the JSON through): why the newest checkpoint is not served,
+    # in the replica's words, so a job no replica can load does not sit at deployed=false silently.
+    deployment_error: str | None = None
 
 
 class ModelEntry(BaseModel):
     name: str
     deployed: bool
+    deployment_error: str | None = None  # as in TrainResponse
     status: str
     start_time: float
     step: int
@@ -75,7 +79,7 @@ def smoothed_loss(history: list[HistoryPoint]) -> float | None:
     return loss
 
 
-def train_response(info: JobInfo, deployed: bool) -> TrainResponse:
+def train_response(info: JobInfo, deployed: bool, deployment_error: str | None = None) -> TrainResponse:
     status = JobStatusBody(
         status=info.status.value, model_name=info.job_hash, job_directory=info.job_directory,
         job_id=info.slurm_job_id, start_time=info.created_at, history=info.history,
@@ -89,10 +93,12 @@ def train_response(info: JobInfo, deployed: bool) -> TrainResponse:
               "training_data_path": f"{info.job_directory}/{DATASET_FILE}"}
     if info.code_origin is not None:  # keys ScalarLM's client does not read: only added
         config.update(ml_code=info.code_origin, ml_code_note=ML_CODE_NOTES[info.code_origin])
-    return TrainResponse(job_status=status, job_config=config, deployed=deployed)
+    return TrainResponse(job_status=status, job_config=config, deployed=deployed,
+                         deployment_error=deployment_error)
 
 
-def model_entry(info: JobInfo, deployed: bool) -> ModelEntry:
-    return ModelEntry(name=info.job_hash, deployed=deployed, status=info.status.value,
+def model_entry(info: JobInfo, deployed: bool, deployment_error: str | None = None) -> ModelEntry:
+    return ModelEntry(name=info.job_hash, deployed=deployed, deployment_error=deployment_error,
+                      status=info.status.value,
                       start_time=info.created_at, step=info.step, max_steps=info.max_steps,
                       train_time=train_seconds(info), loss=smoothed_loss(info.history))

@@ -41,9 +41,10 @@ def trainer_of(request: Request) -> TrainerClient:
 
 
 def respond(request: Request, info: JobInfo) -> TrainResponse:
-    # Deployed once an inference replica serves the job hash as a model (MODELS bucket).
     # Deployed: some inference replica has loaded a checkpoint of the job (gateway/core/adapters.py).
-    return train_response(info, deployed=gateway_of(request).adapters.deployed(info.job_hash))
+    adapters = gateway_of(request).adapters
+    return train_response(info, deployed=adapters.deployed(info.job_hash),
+                          deployment_error=adapters.deployment_error(info.job_hash))
 
 
 def parse_params(raw: str | bytes | None) -> TrainParams:
