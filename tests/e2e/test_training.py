@@ -65,7 +65,8 @@ def wait_finished(llm, job_hash: str, timeout_s: float = 240) -> dict:
 
 
 def read_events(url: str, job_hash: str) -> list[dict]:
-    """The job's SSE stream from the start: it replays history, then ends after the final event."""
+    """The job's SSE stream from the start: it replays history, then ends after the final event (and
+    the final checkpoint's deployment)."""
     events = []
     with (httpx.Client(base_url=url, timeout=60) as http,
           http.stream("GET", f"/v1/megatron/train/{job_hash}/events") as r):
@@ -99,9 +100,15 @@ def test_scalarlm_client_trains_an_adapter_that_answers(train_stack, tiny, tmp_p
     losses = [h["loss"] for h in status["history"]]
     assert len(losses) == RECIPE["max_steps"] and losses[-1] < 0.3 * losses[0]
 
-    # The events a late subscriber sees: the whole history, in order, ending with completed.
-    kinds = [e["kind"] for e in read_events(train_stack.url, job_hash)]
+    # The events a late subscriber sees: the whole history, in order, ending with completed, and
+    # the adapter's among them (before or after completed): the stream stays open until the final
+    # checkpoint has been loaded.
+    story = read_events(train_stack.url, job_hash)
+    kinds = [e["kind"] for e in story if not e["kind"].startswith("adapter.")]
     assert kinds[0] == "queued" and kinds[-1] == "completed"
+    loads = [e["step"] for e in story if e["kind"] == "adapter.loaded"]
+    assert loads and loads[-1] == RECIPE["max_steps"], story[-4:]
+    assert not [e for e in story if e["kind"] == "adapter.rejected"], story
     assert kinds.index("started") < kinds.index("progress") < kinds.index("checkpoint")
     assert kinds.count("progress") == RECIPE["max_steps"]
     assert kinds.count("checkpoint") == RECIPE["max_steps"] // RECIPE["steps_per_checkpoint"]
@@ -143,6 +150,8 @@ def test_cli_trains_follows_and_plots(train_stack, tiny, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     job_hash = run.stdout.strip().splitlines()[-1]
     assert len(job_hash) == 64
+    # follow waits for the final checkpoint's deployment and says which replica serves it.
+    assert "served: replica" in run.stderr and "loaded step 12" in run.stderr, run.stderr[-3000:]
 
     png = tmp_path / "loss.png"
     plot = subprocess.run([*cli, "plot", job_hash, "--out", str(png)], env=env, capture_output=True,

@@ -126,6 +126,11 @@ def adapter_events(job_hash: str) -> str:
     return f"events.adapters.{job_hash}.*"
 
 
+def job_story(job_hash: str) -> str:
+    """A job's events and its adapter's (``events.jobs.<hash>.*`` and ``events.adapters.<hash>.*``):
+    what it did and whether a replica serves it. No other EVENTS subject has a job hash there."""
+    return f"events.*.{job_hash}.*"
+
 # What inference replicas follow to unload the adapters of deleted jobs.
 ADAPTER_RETIREMENTS = "events.adapters.*.retired"
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from pydantic import ValidationError
@@ -46,6 +48,7 @@ class Event(Protocol):
 
 
 E = TypeVar("E", bound=Event)
+E_co = TypeVar("E_co", bound=Event, covariant=True)
 
 
 def _always(_event: object) -> bool:
@@ -56,26 +59,57 @@ def _never(_event: object) -> bool:
     return False
 
 
-async def sse(sub: JetStreamContext.PushSubscription, parse: Callable[[bytes], E], *, over: bool,
+def _no_wait(_event: object) -> None:
+    return None
+
+
+class Schema(Protocol[E_co]):
+    def model_validate_json(self, json_data: bytes) -> E_co: ...
+
+
+def of(schema: Schema[E]) -> Callable[[Msg], E]:
+    """``sse``'s ``parse`` for a subject whose messages are all one schema."""
+    return lambda msg: schema.model_validate_json(msg.data)
+
+
+async def sse(sub: JetStreamContext.PushSubscription, parse: Callable[[Msg], E], *, over: bool,
               keep: Callable[[E], bool | Awaitable[bool]] = _always,
-              ends: Callable[[E], bool] = _never) -> AsyncIterator[str]:
+              ends: Callable[[E], bool] = _never,
+              then_awaits: Callable[[E], Callable[[E], bool] | None] = _no_wait,
+              linger_s: float = 0.0) -> AsyncIterator[str]:
     """The events ``sub`` delivers, as SSE text: those ``keep`` accepts are sent; the stream ends
     after an event ``ends`` says is the last, or (``over``: nothing more will come) once the stored
     history has been sent. A stream that neither ends nor is over runs until the client leaves.
     ``keep`` may be a coroutine function (it may ask who owns the event's job: auth/tenancy.py).
-    ``parse`` is the schema's ``model_validate_json``; a message it refuses is skipped."""
-    # Invariant: stored events are read once each, in stream order, and each one kept is sent once.
+    ``then_awaits``, given the event that ended the stream, may name an event still to come (a
+    finished job's deployment): the stream then goes on until that one is sent or ``linger_s`` have
+    passed; when ``over``, until the stored history has been sent. ``parse`` reads a message
+    (``of(Schema)``); a message it refuses is skipped."""
+    awaited: Callable[[E], bool] | None = None
+    satisfied = False
+    deadline = 0.0
+    # Invariant: stored events are read once each, in stream order, and each one kept is sent once;
+    # awaited is set only once an event has ended the stream (deadline with it), satisfied once an
+    # event it awaited has been read.
     try:
         while True:
+            lingering = awaited is not None and not satisfied
+            wait = HISTORY_IDLE_S if over else KEEPALIVE_S
+            if lingering:
+                wait = min(KEEPALIVE_S, deadline - time.monotonic())
+                if wait <= 0:
+                    return
             try:
-                msg = await sub.next_msg(timeout=HISTORY_IDLE_S if over else KEEPALIVE_S)
+                msg = await sub.next_msg(timeout=wait)
             except NatsTimeoutError:
+                if lingering:
+                    continue
                 if over:
                     return
                 yield ": keepalive\n\n"
                 continue
             try:
-                event = parse(msg.data)
+                event = parse(msg)
             except ValidationError as exc:
                 log.warning("skipping a malformed event on %s: %s", msg.subject, exc)
                 continue
@@ -83,7 +117,17 @@ async def sse(sub: JetStreamContext.PushSubscription, parse: Callable[[bytes], E
             if kept if isinstance(kept, bool) else await kept:
                 data = event.model_dump_json(exclude_none=True)
                 yield f"id: {msg.metadata.sequence.stream}\nevent: {event.kind}\ndata: {data}\n\n"
-            if ends(event) or (over and msg.metadata.num_pending == 0):
+            if awaited is None and ends(event):
+                awaited = then_awaits(event)
+                if awaited is None and not over:
+                    return
+                deadline = time.monotonic() + linger_s
+            elif lingering and awaited is not None and awaited(event):
+                satisfied = True
+                if not over:
+                    return
+            # A stored history is sent whole, and then what it still awaits, if anything.
+            if over and msg.metadata.num_pending == 0 and (awaited is None or satisfied):
                 return
     finally:
         await sub.unsubscribe()

@@ -8,16 +8,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
+from nats.aio.msg import Msg
 
 from loopline.common.contracts import subjects
-from loopline.common.contracts.job_schemas import JobEvent, LogLines, LogsRequest
+from loopline.common.contracts.job_schemas import AdapterEvent, JobEvent, LogLines, LogsRequest
 from loopline.gateway.auth.scopes import TRAINING
 from loopline.gateway.auth.tenancy import tenant_of
 from loopline.gateway.core.errors import ApiError
-from loopline.gateway.core.event_streams import SSE_HEADERS, held_stream, sse
+from loopline.gateway.core.event_streams import SSE_HEADERS, held_stream, of, sse
 from loopline.gateway.core.route_spec import EVENT_STREAM, FIELDS, NO_BUS, STREAMS, TRAINER, declare
 from loopline.gateway.core.trainer_client import TrainerClient
 from loopline.gateway.gateway import gateway_of
@@ -30,6 +32,13 @@ router = APIRouter(prefix="/v1/megatron")
 LOG_POLL_S = 1.0
 LOG_PAGE = 1000
 FINAL_KINDS = {"completed", "failed", "cancelled"}
+# Adapter events on a job's stream are named with this prefix (adapter.loaded, adapter.rejected).
+ADAPTER_PREFIX = "adapter."
+ADAPTER_SUBJECTS = subjects.ADAPTER_EVENTS_ALL.removesuffix(">")  # "events.adapters."
+# How long a completed job's stream waits for its newest checkpoint's deployment: a load takes
+# under a second on the tiny model and a few on SmolLM2 (docs/tinker/README.md); this covers a
+# replica that is busy or restarting, and ends the stream where no replica serves the base model.
+DEPLOYMENT_WAIT_S = 30.0
 
 
 @router.get("/train/logs/{job}", **declare(
@@ -75,14 +84,58 @@ async def _log_lines(trainer: TrainerClient, page: LogLines, next_line: int, fol
 async def job_events(job: str, request: Request):
     """One job's events, from its first (queued) to its last (completed, failed or cancelled): those
     of its current run. A restarted job's earlier run ended with a final event of its own, which is
-    not this run's end, so the stream starts at the run's own ``queued``."""
-    trainer = gateway_of(request).trainer
-    info = await trainer.get(job, tenant_of(request))
-    run_start = await trainer.current_run_start(info.job_hash)
-    sub = await trainer.follow_events(subjects.job_events(info.job_hash), from_seq=run_start)
-    return StreamingResponse(sse(sub, JobEvent.model_validate_json, over=info.status.finished,
-                                 ends=lambda event: event.kind in FINAL_KINDS),
+    not this run's end, so the stream starts at the run's own ``queued``. Its adapter's events come
+    in between, named ``adapter.loaded`` / ``adapter.rejected`` (with the replica's reason), and a
+    completed job's stream stays open until its newest checkpoint has one (Deployment)."""
+    gateway = gateway_of(request)
+    info = await gateway.trainer.get(job, tenant_of(request))
+    run_start = await gateway.trainer.current_run_start(info.job_hash)
+    sub = await gateway.trainer.follow_events(subjects.job_story(info.job_hash), from_seq=run_start)
+    # Only a replica of the job's base model loads or refuses its checkpoints: with none answering
+    # (a stack without inference), waiting for the deployment would only hold the stream open.
+    deployment = Deployment(waits=any(d.model == info.llm_name for d in gateway.models.listed()))
+    return StreamingResponse(sse(sub, story_event, over=info.status.finished, keep=deployment.keep,
+                                 ends=lambda event: event.kind in FINAL_KINDS,
+                                 then_awaits=deployment.then_awaits, linger_s=DEPLOYMENT_WAIT_S),
                              media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def story_event(msg: Msg) -> JobEvent | AdapterEvent:
+    """A message of ``subjects.job_story``: a JobEvent, or an adapter event shown as
+    ``adapter.loaded`` / ``adapter.rejected`` / ``adapter.retired`` beside the job's own kinds."""
+    if msg.subject.startswith(ADAPTER_SUBJECTS):
+        event = AdapterEvent.model_validate_json(msg.data)
+        return event.model_copy(update={"kind": f"{ADAPTER_PREFIX}{event.kind}"})
+    return JobEvent.model_validate_json(msg.data)
+
+
+class Deployment:
+    """What a completed job's stream still waits for: whether a replica serves its newest checkpoint
+    (``adapter.loaded`` or ``adapter.rejected`` of that step or a later one), unless that was heard
+    already or no replica of its base model is up (``waits``). A failed or cancelled job's stream
+    ends with its final event."""
+
+    def __init__(self, waits: bool) -> None:
+        self.waits = waits
+        self.newest = -1  # the newest checkpoint's step
+        self.outcome_step = -1  # the newest step a replica loaded or rejected
+
+    def keep(self, event: JobEvent | AdapterEvent) -> bool:
+        if isinstance(event, JobEvent) and event.checkpoint is not None:
+            self.newest = max(self.newest, event.checkpoint.step)
+        elif self.is_outcome(event):
+            self.outcome_step = max(self.outcome_step, event.step or 0)
+        return True
+
+    @staticmethod
+    def is_outcome(event: JobEvent | AdapterEvent) -> bool:
+        return event.kind in (f"{ADAPTER_PREFIX}loaded", f"{ADAPTER_PREFIX}rejected")
+
+    def then_awaits(self, final: JobEvent | AdapterEvent) -> Callable[[JobEvent | AdapterEvent], bool] | None:
+        if not self.waits or final.kind != "completed" or self.newest < 0 or self.outcome_step >= self.newest:
+            return None
+        newest = self.newest
+        return lambda event: self.is_outcome(event) and (event.step or 0) >= newest
 
 
 @router.get("/events", **declare(TRAINING, {429: STREAMS, 503: NO_BUS}, media_type=EVENT_STREAM))
@@ -94,7 +147,7 @@ async def all_job_events(request: Request):
     tenant = tenant_of(request)
     sub = await trainer.follow_events(subjects.JOB_EVENTS_ALL)
     keep = _always if tenant is None else OwnJobs(trainer, tenant).owns
-    return StreamingResponse(sse(sub, JobEvent.model_validate_json, over=False, keep=keep),
+    return StreamingResponse(sse(sub, of(JobEvent), over=False, keep=keep),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 

@@ -24,7 +24,7 @@ from loopline.common.contracts.tinker_schemas import SessionEvent, TinkerModel, 
 from loopline.gateway.auth.scopes import TRAINING
 from loopline.gateway.auth.tenancy import sees, tenant_of
 from loopline.gateway.core.errors import ApiError
-from loopline.gateway.core.event_streams import SSE_HEADERS, held_stream, sse
+from loopline.gateway.core.event_streams import SSE_HEADERS, held_stream, of, sse
 from loopline.gateway.core.route_spec import EVENT_STREAM, FIELDS, NO_BUS, STREAMS, declare
 from loopline.gateway.gateway import Gateway, gateway_of
 
@@ -54,7 +54,7 @@ async def all_session_events(request: Request, history: bool = False, after: int
     sub = await gateway_of(request).trainer.follow_events(
         subjects.SESSION_EVENTS_ALL, from_seq=_start(after), new_only=not history and after is None)
     keep = OwnRuns(gateway_of(request), tenant_of(request)).keep
-    return StreamingResponse(sse(sub, SessionEvent.model_validate_json, over=False, keep=keep),
+    return StreamingResponse(sse(sub, of(SessionEvent), over=False, keep=keep),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -70,7 +70,7 @@ async def worker_events(request: Request, worker_id: str, after: int | None = AF
                                               from_seq=_start(after))
     over = worker.state in ("released", "failed")
     keep = OwnRuns(gateway, tenant_of(request)).keep
-    return StreamingResponse(sse(sub, SessionEvent.model_validate_json, over=over, keep=keep,
+    return StreamingResponse(sse(sub, of(SessionEvent), over=over, keep=keep,
                                  ends=_worker_ended),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
@@ -98,7 +98,7 @@ async def run_events(request: Request, run_id: str, after: int | None = AFTER):
 
     sub = await gateway.trainer.follow_events(subjects.session_event(model.worker_id, "*"),
                                               from_seq=_start(after))
-    return StreamingResponse(sse(sub, SessionEvent.model_validate_json, over=model.state != "active",
+    return StreamingResponse(sse(sub, of(SessionEvent), over=model.state != "active",
                                  keep=of_run, ends=ends),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
