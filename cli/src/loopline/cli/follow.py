@@ -12,6 +12,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from loopline.cli.client import EXIT_FAILED, EXIT_UNREACHABLE, CliError, Gateway
 
 TERMINAL_KINDS = ("completed", "failed", "cancelled")
+# A replica's answer to a checkpoint, on the job's stream after the job's own events (the gateway
+# keeps a completed job's stream open until its newest checkpoint has one, or for a while).
+LOADED, REJECTED = "adapter.loaded", "adapter.rejected"
 FINISHED_STATUSES = ("COMPLETED", "FAILED", "CANCELLED")
 MAX_RECONNECTS = 5
 
@@ -40,6 +43,7 @@ class _Display:
         # max_steps, its "failed" and the trainer's "cancelled" no loss): the report takes them here.
         self.last_loss: float | None = None
         self.max_steps = max_steps
+        self.deployment: dict[str, Any] | None = None  # the newest adapter.loaded / adapter.rejected
 
     def apply(self, event: dict[str, Any]) -> None:
         kind = event.get("kind")
@@ -59,7 +63,21 @@ class _Display:
                                         highlight=False, soft_wrap=True)
         elif kind in TERMINAL_KINDS:
             update["description"] = kind
+        elif kind in (LOADED, REJECTED):
+            self.deployment = event
+            self.progress.console.print(deployment_text(event), highlight=False, soft_wrap=True)
+            return  # a replica's step is not the job's progress
         self.progress.update(self.task, **update)
+
+
+def deployment_text(event: dict[str, Any]) -> str:
+    replica = f"replica {escape(str(event['replica']))}" if event.get("replica") else "the checkpoint-watcher"
+    if event.get("kind") == LOADED:
+        seconds = event.get("latency_s")
+        latency = f" {seconds:.2f} s after it was written" if isinstance(seconds, (int, float)) else ""
+        return f"[green]served[/]: {replica} loaded step {event.get('step')}{latency}"
+    return (f"[red]not served[/]: {replica} refused step {event.get('step')}: "
+            f"{escape(str(event.get('reason') or 'no reason given'))}")
 
 
 def _final_from_status(job: dict[str, Any]) -> dict[str, Any]:
@@ -97,8 +115,9 @@ def follow(gateway: Gateway, job: str, console: Console) -> int:
                     failures = 0
                     display.apply(event)
                     if event.get("kind") in TERMINAL_KINDS:
+                        # Read on: the stream still brings the deployment of the job's last
+                        # checkpoint, then the gateway ends it.
                         final = event
-                        break
                 if final is None:
                     # The stream ended early (gateway restart, idle proxy): the job may be over.
                     info = gateway.get_job(job_hash)
@@ -121,10 +140,11 @@ def follow(gateway: Gateway, job: str, console: Console) -> int:
                 time.sleep(min(0.5 * 2 ** failures, 8.0))
     known = {"loss": display.last_loss, "max_steps": display.max_steps}
     final = {**final, **{key: value for key, value in known.items() if final.get(key) is None}}
-    return report(final, job_hash, console)
+    return report(final, job_hash, console, display.deployment)
 
 
-def report(final: dict[str, Any], job_hash: str, console: Console) -> int:
+def report(final: dict[str, Any], job_hash: str, console: Console,
+           deployment: dict[str, Any] | None = None) -> int:
     kind = final.get("kind")
     step = final.get("step")
     of = f"/{final['max_steps']}" if final.get("max_steps") else ""
@@ -132,6 +152,12 @@ def report(final: dict[str, Any], job_hash: str, console: Console) -> int:
     if kind == "completed":
         loss = f", loss {final['loss']:.4f}" if final.get("loss") is not None else ""
         console.print(f"[green]completed[/] {job_hash} at {where}{loss}", highlight=False, soft_wrap=True)
+        if deployment is not None and deployment.get("kind") == REJECTED:
+            # Trained but not servable: a script that goes on to generate with it must stop here.
+            console.print(f"no replica serves it: {escape(str(deployment.get('reason')))}; its checkpoints "
+                          f"stay in the job's directory (`loopline status {short(job_hash)}`)",
+                          highlight=False, soft_wrap=True)
+            return EXIT_FAILED
         return 0
     error = f": {escape(str(final['error']))}" if final.get("error") else ""
     colour = "red" if kind == "failed" else "yellow"

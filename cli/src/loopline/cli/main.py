@@ -168,7 +168,7 @@ def jobs(ctx: typer.Context):
         table.add_row(escape(short(str(m.get("name", "?")))), _status(m.get("status")), step,
                       _loss(m.get("loss")), _duration(m.get("train_time")),
                       _when(m.get("start_time"), short=True),
-                      "yes" if m.get("deployed") else "")
+                      "yes" if m.get("deployed") else "refused" if m.get("deployment_error") else "")
     out.print(table)
 
 
@@ -191,6 +191,8 @@ def status(ctx: typer.Context, job: str = typer.Argument(..., help="job hash, a 
         grid.add_row(key, _status(st.get("status")) if key == "status" else escape(str(value or "-")))
     if st.get("error"):
         grid.add_row("error", f"[red]{escape(str(st['error']))}[/]")
+    if info.get("deployment_error"):  # why a replica refused the newest checkpoint
+        grid.add_row("not served", f"[red]{escape(str(info['deployment_error']))}[/]")
     out.print(grid)
     history = (st.get("history") or [])[-last:] if last else []
     if history:
