@@ -158,3 +158,28 @@ def test_cli_trains_follows_and_plots(train_stack, tiny, tmp_path):
                           text=True, timeout=120)
     assert plot.returncode == 0, plot.stderr[-3000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_a_checkpoint_no_replica_can_load_says_why(train_stack, tiny, tmp_path, monkeypatch):
+    """A LoRA of rank 128 trains, but the replica's engine takes LoRAs up to rank 64 (its
+    --max-lora-rank, LOOPLINE_MAX_ADAPTER_RANK): vLLM refuses the checkpoint, and every place a user
+    looks says so, in the engine's words, instead of ``deployed: false`` forever."""
+    monkeypatch.chdir(tmp_path)  # no ./ml shipped (see above)
+    llm = scalarlm.SupermassiveIntelligence(api_url=train_stack.url)
+    data = [{"input": q, "output": a} for q, a in PAIRS]
+    args = {**RECIPE, "max_steps": 2, "steps_per_checkpoint": 2, "adapter_type": "lora",
+            "lora_config": {"r": 128}}
+    job_hash = llm.train(data, model_name=tiny, train_args=args)["job_status"]["model_name"]
+    loopline = str(Path(sys.executable).with_name("loopline"))
+    env = {**os.environ, "LOOPLINE_URL": train_stack.url}
+    follow = subprocess.run([loopline, "follow", job_hash], env=env, capture_output=True, text=True,
+                            timeout=300)
+    said = " ".join(follow.stderr.split())
+    assert follow.returncode == 1, said[-3000:]
+    assert f"completed {job_hash}" in said and "not served" in said and "128" in said, said[-3000:]
+    # The unmodified client passes the field through (the status row follows the run's exit).
+    job = wait_finished(llm, job_hash)
+    assert job["job_status"]["status"] == "COMPLETED" and job["deployed"] is False, job
+    assert "rank 128 is greater than max_lora_rank 64" in job["deployment_error"], job["deployment_error"]
+    kinds = [e["kind"] for e in read_events(train_stack.url, job_hash)]
+    assert "adapter.rejected" in kinds and "adapter.loaded" not in kinds, kinds

@@ -91,9 +91,10 @@ async def job_events(job: str, request: Request):
     info = await gateway.trainer.get(job, tenant_of(request))
     run_start = await gateway.trainer.current_run_start(info.job_hash)
     sub = await gateway.trainer.follow_events(subjects.job_story(info.job_hash), from_seq=run_start)
-    # Only a replica of the job's base model loads or refuses its checkpoints: with none answering
-    # (a stack without inference), waiting for the deployment would only hold the stream open.
-    deployment = Deployment(waits=any(d.model == info.llm_name for d in gateway.models.listed()))
+    # Only a replica of the job's base model loads or refuses its checkpoints: where no deployment
+    # serves it (a stack without inference), waiting for one would only hold the stream open. A
+    # deployment counts even when its replicas missed the last census (busy loading, restarting).
+    deployment = Deployment(waits=info.llm_name in gateway.models.served)
     return StreamingResponse(sse(sub, story_event, over=info.status.finished, keep=deployment.keep,
                                  ends=lambda event: event.kind in FINAL_KINDS,
                                  then_awaits=deployment.then_awaits, linger_s=DEPLOYMENT_WAIT_S),
@@ -112,7 +113,7 @@ def story_event(msg: Msg) -> JobEvent | AdapterEvent:
 class Deployment:
     """What a completed job's stream still waits for: whether a replica serves its newest checkpoint
     (``adapter.loaded`` or ``adapter.rejected`` of that step or a later one), unless that was heard
-    already or no replica of its base model is up (``waits``). A failed or cancelled job's stream
+    already or no deployment serves its base model (``waits``). A failed or cancelled job's stream
     ends with its final event."""
 
     def __init__(self, waits: bool) -> None:
