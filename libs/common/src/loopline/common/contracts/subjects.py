@@ -131,6 +131,7 @@ def job_story(job_hash: str) -> str:
     what it did and whether a replica serves it. No other EVENTS subject has a job hash there."""
     return f"events.*.{job_hash}.*"
 
+
 # What inference replicas follow to unload the adapters of deleted jobs.
 ADAPTER_RETIREMENTS = "events.adapters.*.retired"
 

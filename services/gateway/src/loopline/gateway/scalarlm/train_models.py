@@ -99,6 +99,6 @@ def train_response(info: JobInfo, deployed: bool, deployment_error: str | None =
 
 def model_entry(info: JobInfo, deployed: bool, deployment_error: str | None = None) -> ModelEntry:
     return ModelEntry(name=info.job_hash, deployed=deployed, deployment_error=deployment_error,
-                      status=info.status.value,
-                      start_time=info.created_at, step=info.step, max_steps=info.max_steps,
-                      train_time=train_seconds(info), loss=smoothed_loss(info.history))
+                      status=info.status.value, start_time=info.created_at, step=info.step,
+                      max_steps=info.max_steps, train_time=train_seconds(info),
+                      loss=smoothed_loss(info.history))
