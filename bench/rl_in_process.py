@@ -143,24 +143,38 @@ class BatchSampler(TokenCompleter):
                 for t, lp, s in zip(tokens, logprobs, stopped, strict=True)]
 
 
+class Batch:
+    """Datums padded to one batch and run through the model: each target token's logprob ``lp``,
+    which positions are real, and ``inputs(key)``, a loss input padded to the batch."""
+
+    def __init__(self, model: nn.Module, data: list[tinker.Datum]):
+        self.data, self.lengths = data, [d.model_input.length for d in data]
+        self.width = max(self.lengths)
+        ids = torch.tensor([d.model_input.to_ints() + [0] * (self.width - n)
+                            for d, n in zip(data, self.lengths, strict=True)])
+        self.real = torch.tensor([[1] * n + [0] * (self.width - n) for n in self.lengths]).bool()
+        logits = model(input_ids=ids, attention_mask=self.real.long()).logits.float()
+        targets = self.inputs("target_tokens").long()
+        self.lp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    def inputs(self, key: str) -> Tensor:
+        rows = [d.loss_fn_inputs[key].to_torch().float() for d in self.data]
+        return torch.stack([torch.nn.functional.pad(r, (0, self.width - len(r))) for r in rows])
+
+    def summed(self, per_token: Tensor) -> Tensor:
+        return torch.where(self.real, per_token, 0.0).sum()
+
+    def per_datum(self) -> list[Tensor]:
+        """The learner's logprobs, one tensor per datum, without a graph."""
+        return [self.lp[i, :n].detach() for i, n in enumerate(self.lengths)]
+
+
 def importance_sampling_loss(model: nn.Module, data: list[tinker.Datum]) -> tuple[Tensor, list[Tensor]]:
     """Tinker's importance_sampling, -sum_t exp(lp - lp_sampler) * A, summed over every datum (no
     mean); prompt positions carry A = 0 and add nothing. Also the learner's logprobs per datum."""
-    inputs = [d.model_input.to_ints() for d in data]
-    width = max(len(x) for x in inputs)
-
-    def padded(key: str) -> Tensor:
-        rows = [d.loss_fn_inputs[key].to_torch().float() for d in data]
-        return torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in rows])
-
-    ids = torch.tensor([x + [0] * (width - len(x)) for x in inputs])
-    real = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in inputs])
-    targets = padded("target_tokens").long()
-    logits = model(input_ids=ids, attention_mask=real).logits.float()
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    per_token = -torch.exp(lp - padded("logprobs")) * padded("advantages")
-    loss = torch.where(real.bool(), per_token, 0.0).sum()
-    return loss, [lp[i, :len(x)].detach() for i, x in enumerate(inputs)]
+    batch = Batch(model, data)
+    per_token = -torch.exp(batch.lp - batch.inputs("logprobs")) * batch.inputs("advantages")
+    return batch.summed(per_token), batch.per_datum()
 
 
 class Server:

@@ -54,24 +54,12 @@ def with_advantages(datum: types.Datum, index: int, kind: str) -> types.Datum:
 def learner(model: nn.Module, data: list[types.Datum], loss: str) -> tuple[Tensor, list[Tensor]]:
     """The summed loss the server's worker computes (importance_sampling, or stable_reinforce on the
     response tokens with its capped, gradient-free weight) and the learner's logprobs per datum."""
-    inputs = [d.model_input.to_ints() for d in data]
-    width = max(len(x) for x in inputs)
-
-    def padded(key: str) -> Tensor:
-        rows = [d.loss_fn_inputs[key].to_torch().float() for d in data]
-        return torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in rows])
-
-    ids = torch.tensor([x + [0] * (width - len(x)) for x in inputs])
-    real = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in inputs])
-    logits = model(input_ids=ids, attention_mask=real).logits.float()
-    lp = torch.log_softmax(logits, -1).gather(-1, padded("target_tokens").long().unsqueeze(-1)).squeeze(-1)
-    ratio = torch.exp(lp - padded("logprobs"))
-    if loss == "stable_reinforce":
-        per_token = -padded("mask") * ratio.clamp(max=2.0).detach() * padded("advantages") * lp
-    else:
-        per_token = -ratio * padded("advantages")
-    summed = torch.where(real.bool(), per_token, 0.0).sum()
-    return summed, [lp[i, :len(x)].detach() for i, x in enumerate(inputs)]
+    if loss != "stable_reinforce":
+        return ip.importance_sampling_loss(model, data)
+    batch = ip.Batch(model, data)
+    weight = torch.exp(batch.lp - batch.inputs("logprobs")).clamp(max=2.0).detach()
+    per_token = -batch.inputs("mask") * weight * batch.inputs("advantages") * batch.lp
+    return batch.summed(per_token), batch.per_datum()
 
 
 def response_sums(logprobs: list[Tensor], data: list[types.Datum]) -> list[float]:

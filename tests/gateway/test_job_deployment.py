@@ -17,6 +17,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
+from loopline.cli.client import parse_sse
 from loopline.cli.main import app as cli_app
 from loopline.common.contracts import subjects
 from loopline.common.contracts.job_layout import DATASET_FILE
@@ -49,15 +50,9 @@ def submit(http, seed: int) -> str:
 
 
 def sse_messages(lines):
-    event, data = None, None
-    for line in lines:
-        if line.startswith("event: "):
-            event = line[len("event: "):]
-        elif line.startswith("data: "):
-            data = json.loads(line[len("data: "):])
-        elif line == "" and event is not None:
-            yield event, data
-            event, data = None, None
+    """(event, data) pairs of an SSE line iterator, read by the CLI's own parser."""
+    for message in parse_sse(lines):
+        yield message.event, json.loads(message.data)
 
 
 def publish(nats_bus, event: AdapterEvent) -> None:

@@ -8,6 +8,7 @@ import time
 
 import httpx
 
+from loopline.cli.client import parse_sse
 from loopline.common.contracts.job_layout import DATASET_FILE
 from support.gateway_process import wait_job
 from support.training_data import EXAMPLES, archive, jsonlines
@@ -22,16 +23,9 @@ def submit(http, max_steps: int, **standin) -> str:
 
 
 def sse_messages(lines):
-    """(event, data) pairs from an SSE line iterator; comments (keepalives) skipped."""
-    event, data = None, None
-    for line in lines:
-        if line.startswith("event: "):
-            event = line[len("event: "):]
-        elif line.startswith("data: "):
-            data = json.loads(line[len("data: "):])
-        elif line == "" and event is not None:
-            yield event, data
-            event, data = None, None
+    """(event, data) pairs of an SSE line iterator, read by the CLI's own parser."""
+    for message in parse_sse(lines):
+        yield message.event, json.loads(message.data)
 
 
 def test_one_job_history_then_live_then_the_end(http):
