@@ -3,9 +3,11 @@ from the installed vLLM (inference/lora_targets.py) and writes it into its deplo
 
 The families are tiny configs built with transformers' own config classes on the tiny tokenizer; the
 architecture is the one transformers writes into a saved model's config.json, and the class is the
-one vLLM's registry serves it with. Llama and Qwen3 take a LoRA on ``lm_head``; Qwen2, Mistral and
-Gemma 3 do not (vLLM answers every sample of such an adapter with a 422). One family goes through
-the whole path a replica takes: a model folder, vLLM's ``ModelConfig`` of it, the resolved class.
+one vLLM's registry serves it with. Llama and Qwen3 take a LoRA on ``lm_head`` in vLLM's own class;
+Qwen2, Mistral and Gemma 3 take it through ``lora_targets.install`` (tests/e2e/test_families.py
+samples such adapters); Gemma 2 does not (vLLM answers every sample of such an adapter with a 422).
+One family goes through the whole path a replica takes: a model folder, vLLM's ``ModelConfig`` of it,
+the resolved class.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from loopline.inference.lora_targets import lm_head_lora, served_architecture
 FAMILIES = {
     "llama": ("LlamaConfig", True),
     "qwen3": ("Qwen3Config", True),
-    "qwen2": ("Qwen2Config", False),
-    "mistral": ("MistralConfig", False),
-    "gemma3": ("Gemma3TextConfig", False),
+    "qwen2": ("Qwen2Config", True),
+    "mistral": ("MistralConfig", True),
+    "gemma3": ("Gemma3TextConfig", True),
+    "gemma2": ("Gemma2Config", False),
 }
 
 
@@ -55,4 +58,4 @@ def test_a_replica_reads_it_from_its_engines_model_config(tmp_path):
     tiny_config("MistralConfig", len(tokenizer)).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     model_config = ModelConfig(model=str(tmp_path), dtype="float32")
-    assert served_architecture(model_config) == ("MistralForCausalLM", False)
+    assert served_architecture(model_config) == ("MistralForCausalLM", True)

@@ -27,7 +27,7 @@ from loopline.common.runtime.service import Runtime
 from loopline.inference.adapters import AdapterManager
 from loopline.inference.engine_watch import watch_engine
 from loopline.inference.lora_targets import served_architecture
-from loopline.inference.vllm_args import serve_flags
+from loopline.inference.vllm_args import lora_modules, serve_flags
 from loopline.inference.vllm_server import VllmServer
 from loopline.inference.vllm_version import require_tested_vllm
 from loopline.inference.worker import Worker
@@ -45,12 +45,13 @@ def prepare_model_folder(settings: InferenceSettings) -> str:
     return str(resolve_model(settings.model, settings.models_dir))
 
 
-def flags_of(settings: InferenceSettings, model_path: str) -> list[str]:
-    """The ``vllm serve`` flags of this deployment (vllm_args.py)."""
+def flags_of(settings: InferenceSettings, model_path: str, layers: list[str] | None = None) -> list[str]:
+    """The ``vllm serve`` flags of this deployment (vllm_args.py), LoRA on ``layers`` only if given."""
     return serve_flags(model_path, served_name=settings.name, max_inflight=settings.max_inflight,
                        dtype=settings.dtype, max_model_len=settings.max_model_len,
                        adapters=settings.adapters, max_adapters=settings.max_adapters,
-                       max_adapter_rank=settings.max_adapter_rank, extra=settings.vllm_args)
+                       max_adapter_rank=settings.max_adapter_rank, extra=settings.vllm_args,
+                       lora_layers=layers)
 
 
 def _absolute(model_path: str) -> str:
@@ -68,7 +69,8 @@ async def run(rt: Runtime, settings: InferenceSettings) -> None:
     # 1. Start vLLM's own OpenAI server in-process (a signal meanwhile cancels the start: the
     # runtime), with the flags `vllm serve` would get.
     model_path = await asyncio.to_thread(prepare_model_folder, settings)
-    server = VllmServer(flags_of(settings, model_path))
+    layers = lora_modules(model_path) if settings.adapters else None
+    server = VllmServer(flags_of(settings, model_path, layers))
     rt.on_stop(server.stop)
     log.info("loading %s from %s", settings.name, model_path)
     await server.start()
@@ -85,7 +87,7 @@ async def run(rt: Runtime, settings: InferenceSettings) -> None:
     info = DeploymentInfo(model=settings.name, deployment=deployment, max_model_len=server.max_model_len,
                           engine="vllm", tasks=list(server.tasks), model_path=_absolute(model_path),
                           max_adapter_rank=settings.max_adapter_rank if settings.adapters else None,
-                          architecture=architecture, lora_lm_head=lora_lm_head)
+                          architecture=architecture, lora_lm_head=lora_lm_head, lora_modules=layers)
     kv = await js.key_value(subjects.MODELS_BUCKET)
     await kv.put(deployment, info.model_dump_json().encode())
 

@@ -28,8 +28,9 @@ base-model request batched beside an adapter held in the last slot would get tha
 Loaded as a ``vllm.general_plugins`` entry point (services/inference/pyproject.toml), so it is
 installed in every vLLM process, the EngineCore and workers included. It changes nothing while no
 Tokenformer adapter is loaded except that base-model fix; ``LOOPLINE_TOKENFORMER=0`` turns it off.
-``register`` also installs ``lora_logits_vllm`` (LoRA on the unembedding for prompt logprobs),
-which the switch leaves on: without it prompt logprobs on an adapter can kill the engine.
+``register`` also installs ``lora_logits_vllm`` (LoRA on the unembedding for prompt logprobs) and
+``lora_targets`` (LoRA on the unembedding of Qwen2, Mistral and Gemma 3), which the switch leaves
+on: without the first, prompt logprobs on an adapter can kill the engine.
 """
 
 from __future__ import annotations
@@ -59,12 +60,17 @@ _lock = threading.Lock()
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: vLLM calls it once in every process it starts."""
-    from loopline.inference import lora_logits_vllm
+    from loopline.inference import lora_logits_vllm, lora_targets
 
     try:  # not a Tokenformer matter: LoRA prompt logprobs crash the engine without it
         lora_logits_vllm.install()
     except Exception:
         log.exception("prompt-logprobs LoRA fix not installed: prompt logprobs on adapters may fail")
+    try:  # nor this: the unembedding's LoRA on Qwen2, Mistral and Gemma 3 (Tinker's default)
+        lora_targets.install()
+    except Exception:
+        log.exception("lm_head LoRA for %s not installed: such adapters will be refused",
+                      sorted(lora_targets.LM_HEAD_LORA_ADDED))
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         log.info("Tokenformer plugin disabled by %s", ENV_SWITCH)
         return

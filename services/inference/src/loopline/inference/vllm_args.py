@@ -8,8 +8,10 @@ does not import vLLM: the gateway-side tools that only need the flags stay light
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
+from pathlib import Path
 
 # Settings measured to start fast and run best on small CPU machines; a user's own environment wins.
 CPU_ENV = {
@@ -37,11 +39,41 @@ def apply_cpu_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> No
         environ.setdefault(key, value)
 
 
+# The config.json keys that count a mixture of experts' experts, across families (Qwen-MoE, Mixtral,
+# DeepSeek); a model with none of them, or 0, is dense.
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+# PEFT's names of the attention projections -> the packed layer vLLM builds from them.
+_VLLM_LAYER = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+
+
+def mixture_of_experts(model_path: str) -> bool:
+    """Whether the model folder's config.json describes a mixture of experts (False for a Hub id
+    or a folder without one: vLLM reads the model itself)."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return False
+    data = json.loads(config.read_text())
+    data = {**data, **(data.get("text_config") or {})}
+    return any(isinstance(data.get(key), int) and data[key] > 0 for key in _EXPERT_COUNTS)
+
+
+def lora_modules(model_path: str, cpu: bool | None = None) -> list[str] | None:
+    """The layers (PEFT's names) a deployment of this model takes a LoRA on, where not every
+    linear layer: a mixture of experts on CPU (contracts/model_support.py says why)."""
+    from loopline.common.contracts.model_support import MOE_CPU_LORA_MODULES
+
+    if (on_cpu() if cpu is None else cpu) and mixture_of_experts(model_path):
+        return list(MOE_CPU_LORA_MODULES)
+    return None
+
+
 def serve_flags(model_path: str, *, served_name: str, max_inflight: int, dtype: str = "auto",
                 max_model_len: int | None = None, adapters: bool = False, max_adapters: int = 8,
-                max_adapter_rank: int = 64, extra: str = "", cpu: bool | None = None) -> list[str]:
+                max_adapter_rank: int = 64, extra: str = "", cpu: bool | None = None,
+                lora_layers: list[str] | None = None) -> list[str]:
     """The flags after ``vllm serve`` (or ``python -m vllm.entrypoints.openai.api_server``) for one
-    deployment. ``extra`` (the deployment's ``LOOPLINE_VLLM_ARGS``) comes last, so it wins."""
+    deployment. ``lora_layers`` (``lora_modules``) restricts LoRA to those layers. ``extra`` (the
+    deployment's ``LOOPLINE_VLLM_ARGS``) comes last, so it wins."""
     if cpu is None:
         cpu = on_cpu()
     if cpu and dtype == "auto":
@@ -70,4 +102,6 @@ def serve_flags(model_path: str, *, served_name: str, max_inflight: int, dtype: 
         # leave room for one spare per slot.
         flags += ["--enable-lora", "--max-loras", str(max_adapters), "--max-lora-rank",
                   str(max_adapter_rank), "--max-cpu-loras", str(2 * max_adapters)]
+        if lora_layers is not None:
+            flags += ["--lora-target-modules", *dict.fromkeys(_VLLM_LAYER.get(m, m) for m in lora_layers)]
     return flags + shlex.split(extra)

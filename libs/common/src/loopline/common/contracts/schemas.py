@@ -164,6 +164,10 @@ class DeploymentInfo(BaseModel):
     # when it is created. None: not known (a record from before these fields).
     architecture: str | None = None
     lora_lm_head: bool | None = None
+    # The layers (PEFT's names) its replicas take a LoRA on, when not every linear layer (None):
+    # a mixture of experts on CPU (contracts/model_support.py). A job or training client targeting
+    # others is refused when it is submitted.
+    lora_modules: list[str] | None = None
 
 
 class BatchManifest(BaseModel):
