@@ -163,6 +163,18 @@ class ModelDirectory:
             self.known_at.setdefault(info.deployment, time.monotonic())
         self.served = served
 
+    async def deployment_of(self, name: str) -> DeploymentInfo | None:
+        """The deployment serving the base model ``name`` (its served name, or the folder its
+        replicas load), re-reading the registry once on a miss; None when none serves it."""
+        for attempt in range(2):
+            if attempt:
+                await self.refresh()
+            info = self.served.get(name) or next(
+                (info for info in self.served.values() if info.model_path == name), None)
+            if info is not None:
+                return info
+        return None
+
     async def run(self, stopping: asyncio.Event) -> None:
         """The ``models`` loop: re-read the bucket and take the census every MODELS_REFRESH_S
         until told to stop."""

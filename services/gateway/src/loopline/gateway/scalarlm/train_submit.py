@@ -29,6 +29,7 @@ from loopline.gateway.core.limits import over_limit
 from loopline.gateway.core.trainer_client import TrainerClient
 from loopline.gateway.gateway import gateway_of
 from loopline.gateway.scalarlm.train_models import TrainResponse, train_response
+from loopline.gateway.scalarlm.train_servable import check_servable
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ async def submit_archive(request: Request, source: Path | IO[bytes], params: Tra
     if not params.llm_name:
         params = params.model_copy(update={"llm_name": settings.model})
     await check_base_model(request, params.llm_name or settings.model)
+    check_servable(await gateway_of(request).models.deployment_of(params.llm_name or settings.model), params)
     archive = await asyncio.to_thread(read_archive, source, settings)
     with archive:
         try:

@@ -102,7 +102,8 @@ async def telemetry() -> dict[str, Any]:
 # --- creating a training client ------------------------------------------------------------------
 @router.post("/create_model", **declare(TRAINING, {
     400: f"{BODY}; no lora_config; an optimizer other than AdamW; a rank above the largest served; "
-         "train_unembed on a model whose vLLM class serves no LoRA on lm_head",
+         "train_unembed on a model whose vLLM class serves no LoRA on lm_head; train_mlp on a "
+         "mixture of experts served on CPU",
     404: "the base model is not served here", **SESSION, **TRAINER}))
 async def create_model(request: Request) -> dict[str, Any]:
     body = await parse(request, tt.CreateModelRequest)
@@ -116,6 +117,7 @@ async def create_model(request: Request) -> dict[str, Any]:
     info = await tinker.base(body.base_model)
     _check_rank(info.max_adapter_rank, body.lora_config.rank, info.model)
     _check_unembed(info, body.lora_config.train_unembed)
+    _check_mlp(info, body.lora_config.train_mlp)
     model_id = tinker_names.model_id(body.session_id, body.model_seq_id)
     model = TinkerModel(model_id=model_id, session_id=body.session_id, base_model=info.model,
                         model_path=info.model_path or info.model, model_name=body.base_model,
@@ -146,6 +148,16 @@ def _check_unembed(info: DeploymentInfo, train_unembed: bool) -> None:
                             f"model class ({info.architecture}) with no LoRA on lm_head, so an adapter "
                             "that trains the unembedding could not be sampled; create the training client "
                             "with train_unembed=False", param="lora_config.train_unembed")
+
+
+def _check_mlp(info: DeploymentInfo, train_mlp: bool) -> None:
+    """A mixture of experts on CPU takes no LoRA on its MLP (the experts: contracts/model_support.py);
+    its replicas say which layers they take one on, and an adapter on others is refused now."""
+    if train_mlp and info.lora_modules is not None and "gate_proj" not in info.lora_modules:
+        raise ApiError(400, f"train_mlp=True is not supported for {info.model!r}: its replicas serve a "
+                            f"LoRA on {', '.join(info.lora_modules)} only ({info.architecture}: a mixture "
+                            "of experts served on CPU, where vLLM runs no LoRA on the experts); create "
+                            "the training client with train_mlp=False", param="lora_config.train_mlp")
 
 
 async def _place(request: Request, model: TinkerModel, first: StepCall) -> TinkerModel:
