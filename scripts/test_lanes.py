@@ -34,10 +34,11 @@ NO_TESTS_COLLECTED = 5  # pytest's exit status when a selection is empty
 
 def prepare_models() -> None:
     """Build the tiny models both lanes load, once, before either starts."""
+    from loopline.ml.models.families import FAMILIES
     from loopline.ml.models.resolve import resolve_model
     from support.stacks import MODELS_DIR
 
-    for name in ("tiny", "tiny-embed"):
+    for name in ("tiny", "tiny-embed", *FAMILIES):
         resolve_model(name, MODELS_DIR)
 
 

