@@ -6,6 +6,7 @@ import gzip
 import hashlib
 import io
 import json
+import re
 import tarfile
 
 import pytest
@@ -138,6 +139,31 @@ def test_too_many_members_are_refused():
 def test_bad_lines_are_reported_with_their_number(content, message):
     with pytest.raises(archives.InvalidDataset, match=message):
         read(make_tar([(DATASET_FILE, content)], gz=True))
+
+
+PAIR = b'{"sentence1": "a", "sentence2": "b", "score": 0.5}\n'
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"input": "a", "output": "b"}\n', "line 1: 'sentence1' is missing"),
+    (PAIR + b'{"sentence1": "a", "sentence2": "b"}\n', "line 2: 'score' is missing"),
+    (b'{"sentence1": "a", "sentence2": "b", "score": "0.5"}\n', "'score' must be a number, not str"),
+    (b'{"sentence1": "a", "sentence2": "b", "score": true}\n', "'score' must be a number, not bool"),
+    (b'{"sentence1": "a", "sentence2": "b", "score": -1.5}\n', "'score' is out of range"),
+    (b'{"sentence1": "a", "sentence2": "b", "score": NaN}\n', "'score' is out of range"),
+    (b'{"sentence1": "a", "sentence2": "b", "score": 1' + b"0" * 400 + b'}\n', "'score' is out of range"),
+    (b"\n", 'no examples: send at least one line {"sentence1": str, "sentence2": str, "score": number}'),
+])
+def test_embedding_rows_are_scored_sentence_pairs(content, message):
+    with pytest.raises(archives.InvalidDataset, match=re.escape(message)):
+        archives.read_training_archive(io.BytesIO(content), LIMIT, 10, training_mode="embedding")
+
+
+def test_embedding_rows_are_read_in_embedding_mode():
+    data = PAIR + b'{"sentence1": "c", "sentence2": "d", "score": -1}\n'
+    with archives.read_training_archive(io.BytesIO(gzip.compress(data)), LIMIT, 10,
+                                        training_mode="embedding") as archive:
+        assert archive.examples == 2 and archive.dataset.read() == data
 
 
 def test_archive_without_dataset_or_corrupt_is_refused():

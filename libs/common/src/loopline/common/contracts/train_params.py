@@ -93,8 +93,11 @@ class TrainParams(_Params):
     tensor_parallel: StrictInt | None = Field(None, ge=1, le=MAX_TENSOR_PARALLEL)
     # Seconds one run may take; the trainer caps it at its own limit.
     timeout: StrictFloat | None = Field(None, gt=0)
+    # ScalarLM's two modes: "language_model" trains on {input, output} rows; "embedding" trains a
+    # pooling model on {sentence1, sentence2, score} rows, pulling each pair's cosine toward its score.
+    training_mode: Literal["language_model", "embedding"] = "language_model"
 
-    @field_validator("adapter_type", "lr_decay", mode="before")
+    @field_validator("adapter_type", "lr_decay", "training_mode", mode="before")
     @classmethod
     def _lower(cls, value):
         return value.lower() if isinstance(value, str) else value
@@ -109,6 +112,14 @@ class TrainParams(_Params):
             elif self.adapter_type != FULL_WEIGHTS:
                 raise ValueError(f"tensor_parallel={self.tensor_parallel} trains full weights only: "
                                  f"adapter_type must be {FULL_WEIGHTS!r}, not {self.adapter_type!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _embedding_trains_in_one_process(self) -> TrainParams:
+        # loopline.ml.parallel trains causal language models only.
+        if self.training_mode == "embedding" and (self.tensor_parallel or 1) > 1:
+            raise ValueError(f"training_mode 'embedding' trains in one process: tensor_parallel must be "
+                             f"1, not {self.tensor_parallel}")
         return self
 
 

@@ -21,7 +21,7 @@ import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import IO
+from typing import IO, Literal
 
 from loopline.common.contracts.job_layout import CODE_DIR, DATASET_FILE
 
@@ -30,6 +30,14 @@ SPOOL_BYTES = 8 * 1024 * 1024
 # A job's own code is kept in memory (it is one tar in the object store); larger is refused.
 MAX_CODE_BYTES = 64 * 1024 * 1024
 _TAR_BLOCK = 512
+
+TrainingMode = Literal["language_model", "embedding"]  # TrainParams.training_mode
+# The string fields of a row in each training mode. An embedding row also has a "score": the cosine
+# similarity its pair's embeddings are trained toward, so a number in [-1, 1] (sentence-transformers'
+# STS data, which ScalarLM's embedding mode takes, scales it to [0, 1]).
+TEXT_FIELDS: dict[str, tuple[str, str]] = {"language_model": ("input", "output"),
+                                           "embedding": ("sentence1", "sentence2")}
+SCORE_FIELD = "score"
 
 
 # --- errors ----------------------------------------------------------------------------------------
@@ -82,13 +90,15 @@ class TrainingArchive:
 
 
 def read_training_archive(source: str | Path | IO[bytes], max_bytes: int, max_members: int,
-                          max_line_bytes: int | None = None) -> TrainingArchive:
+                          max_line_bytes: int | None = None,
+                          training_mode: TrainingMode = "language_model") -> TrainingArchive:
     """Read a tar, tar.gz or plain (optionally gzipped) jsonlines upload; ``source`` is a path or a
     seekable binary file. ``max_bytes`` caps the uncompressed content, ``max_members`` the entries,
-    ``max_line_bytes`` one dataset line (without its newline; None: only ``max_bytes``)."""
+    ``max_line_bytes`` one dataset line (without its newline; None: only ``max_bytes``); each row
+    must be one of ``training_mode`` (TEXT_FIELDS)."""
     if isinstance(source, (str, Path)):
         with open(source, "rb") as f:
-            return read_training_archive(f, max_bytes, max_members, max_line_bytes)
+            return read_training_archive(f, max_bytes, max_members, max_line_bytes, training_mode)
     line_limit = max_bytes if max_line_bytes is None else max_line_bytes
     source.seek(0)
     try:
@@ -98,9 +108,10 @@ def read_training_archive(source: str | Path | IO[bytes], max_bytes: int, max_me
         if is_tar:
             # Headers and padding come on top of the content; the cap still bounds what we inflate.
             capped = _Capped(stream, max_bytes + _TAR_BLOCK * (3 * max_members + 4), "the archive")
-            return _read_tar(capped, max_bytes, max_members, line_limit)
+            return _read_tar(capped, max_bytes, max_members, line_limit, training_mode)
         capped = _Capped(stream, max_bytes, DATASET_FILE)
-        dataset, sha, size, examples = _copy_dataset(_lines(io.BufferedReader(capped), line_limit))
+        dataset, sha, size, examples = _copy_dataset(_lines(io.BufferedReader(capped), line_limit),
+                                                     training_mode)
         return TrainingArchive(dataset, sha, size, examples)
     except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
         raise BadArchive(f"the upload is not a readable tar, tar.gz or jsonlines file: {exc}") from exc
@@ -135,7 +146,8 @@ class _Capped(io.RawIOBase):
         return len(data)
 
 
-def _read_tar(capped: _Capped, max_bytes: int, max_members: int, max_line_bytes: int) -> TrainingArchive:
+def _read_tar(capped: _Capped, max_bytes: int, max_members: int, max_line_bytes: int,
+              training_mode: TrainingMode) -> TrainingArchive:
     dataset: TrainingArchive | None = None
     code_files: dict[str, tuple[bytes, bool]] = {}
     members = total = code_bytes = 0
@@ -156,7 +168,7 @@ def _read_tar(capped: _Capped, max_bytes: int, max_members: int, max_line_bytes:
                     if dataset is not None:
                         raise InvalidDataset(f"the archive holds {DATASET_FILE} twice")
                     lines = _lines(_regular_file(tar, member), max_line_bytes)
-                    dataset = TrainingArchive(*_copy_dataset(lines))
+                    dataset = TrainingArchive(*_copy_dataset(lines, training_mode))
                 elif name.startswith(CODE_DIR + "/"):
                     if name in code_files:
                         raise UnsafeArchive(f"the archive holds {name} twice")
@@ -214,7 +226,7 @@ def _lines(f: IO[bytes], max_line_bytes: int) -> Iterator[bytes]:
         yield line
 
 
-def _copy_dataset(lines: Iterable[bytes]) -> tuple[IO[bytes], str, int, int]:
+def _copy_dataset(lines: Iterable[bytes], training_mode: TrainingMode) -> tuple[IO[bytes], str, int, int]:
     """Validate dataset.jsonlines line by line while spooling and hashing it as is."""
     out = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)  # noqa: SIM115 - returned open to the caller
     sha = hashlib.sha256()
@@ -225,7 +237,7 @@ def _copy_dataset(lines: Iterable[bytes]) -> tuple[IO[bytes], str, int, int]:
             sha.update(line)
             size += len(line)
             if line.strip():
-                _check_example(line, number)
+                _check_example(line, number, training_mode)
                 examples += 1
     except BaseException:
         out.close()
@@ -233,12 +245,18 @@ def _copy_dataset(lines: Iterable[bytes]) -> tuple[IO[bytes], str, int, int]:
     if examples == 0:
         out.close()
         raise InvalidDataset(f"{DATASET_FILE} has no examples: send at least one line "
-                             '{"input": "...", "output": "..."}')
+                             f"{_row_shape(training_mode)}")
     out.seek(0)
     return out, sha.hexdigest(), size, examples
 
 
-def _check_example(line: bytes, number: int) -> None:
+def _row_shape(training_mode: TrainingMode) -> str:
+    first, second = TEXT_FIELDS[training_mode]
+    score = f', "{SCORE_FIELD}": number' if training_mode == "embedding" else ""
+    return f'{{"{first}": str, "{second}": str{score}}}'
+
+
+def _check_example(line: bytes, number: int, training_mode: TrainingMode) -> None:
     where = f"{DATASET_FILE} line {number}"
     try:
         example = json.loads(line.decode("utf-8"))
@@ -247,13 +265,24 @@ def _check_example(line: bytes, number: int) -> None:
     except json.JSONDecodeError as exc:
         raise InvalidDataset(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
     if not isinstance(example, dict):
-        raise InvalidDataset(f'{where}: expected an object {{"input": str, "output": str}}, '
+        raise InvalidDataset(f"{where}: expected an object {_row_shape(training_mode)}, "
                              f"got {type(example).__name__}")
-    for key in ("input", "output"):
+    for key in TEXT_FIELDS[training_mode]:
         if not isinstance(example.get(key), str):
             if key not in example:
                 raise InvalidDataset(f"{where}: {key!r} is missing")
             raise InvalidDataset(f"{where}: {key!r} must be a string, not {type(example[key]).__name__}")
+    if training_mode == "embedding":
+        _check_score(example.get(SCORE_FIELD), where)
+
+
+def _check_score(score: object, where: str) -> None:
+    if score is None:
+        raise InvalidDataset(f"{where}: {SCORE_FIELD!r} is missing")
+    if isinstance(score, bool) or not isinstance(score, (int, float)):
+        raise InvalidDataset(f"{where}: {SCORE_FIELD!r} must be a number, not {type(score).__name__}")
+    if not -1 <= score <= 1:  # NaN too: every comparison with it is false
+        raise InvalidDataset(f"{where}: {SCORE_FIELD!r} is out of range: a cosine similarity is in [-1, 1]")
 
 
 def deterministic_tar(files: Mapping[str, tuple[bytes, bool]]) -> bytes:
