@@ -126,10 +126,12 @@ def apply_adapter(model: nn.Module, checkpoint_dir: str | Path, *, merge_lora: b
 
 
 def prepare_model(model: nn.Module, adapter_type: str, *, tokenformer: dict[str, Any], lora: dict[str, Any],
-                  base_model: str, seed: int) -> tuple[nn.Module, dict[str, Any]]:
+                  base_model: str, seed: int,
+                  lora_task_type: str = "CAUSAL_LM") -> tuple[nn.Module, dict[str, Any]]:
     """Add a fresh adapter for training; returns the model and the config fields it adds.
 
-    Everything but the adapter is frozen (for "none" nothing is).
+    Everything but the adapter is frozen (for "none" nothing is). ``lora_task_type``: PEFT's task
+    type, "FEATURE_EXTRACTION" for a bare model trained as an embedder.
     """
     if adapter_type == "tokenformer":
         for p in model.parameters():
@@ -138,7 +140,7 @@ def prepare_model(model: nn.Module, adapter_type: str, *, tokenformer: dict[str,
         targets = sorted({m.rsplit(".", 1)[-1] for m in modules})
         return model, {"num_tokens": tokenformer["num_tokens"], "target_modules": targets}
     if adapter_type == "lora":
-        return add_lora(model, base_model_name_or_path=base_model, **lora), {}
+        return add_lora(model, base_model_name_or_path=base_model, task_type=lora_task_type, **lora), {}
     if adapter_type == "none":
         for p in model.parameters():
             p.requires_grad_(True)

@@ -17,8 +17,11 @@ ADAPTER_NAME = "default"  # PEFT's name for a model's only adapter; it never app
 
 
 def add_lora(model: nn.Module, *, r: int, lora_alpha: float, lora_dropout: float,
-             target_modules: str | list[str], base_model_name_or_path: str | None = None) -> nn.Module:
-    """Wrap ``model`` in a PEFT model with one LoRA adapter; only the LoRA tensors are trainable."""
+             target_modules: str | list[str], base_model_name_or_path: str | None = None,
+             task_type: str = "CAUSAL_LM") -> nn.Module:
+    """Wrap ``model`` in a PEFT model with one LoRA adapter; only the LoRA tensors are trainable.
+    ``task_type`` is PEFT's: "CAUSAL_LM" for a language model, "FEATURE_EXTRACTION" for a bare
+    model (an embedder), whose forward takes no labels."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
@@ -28,7 +31,7 @@ def add_lora(model: nn.Module, *, r: int, lora_alpha: float, lora_dropout: float
         lora_dropout=lora_dropout,
         target_modules=target_modules,
         bias="none",  # vLLM serves no LoRA biases
-        task_type="CAUSAL_LM",
+        task_type=task_type,
         base_model_name_or_path=base_model_name_or_path,
     )
     return get_peft_model(model, config, adapter_name=ADAPTER_NAME)

@@ -10,6 +10,7 @@ import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import torch
 
@@ -85,11 +86,14 @@ class DataCursor:
         return asdict(self)
 
 
-class ExampleStream:
+T = TypeVar("T")  # an example: Example here, a sentence pair in embedding mode (embedding.py)
+
+
+class ExampleStream(Generic[T]):
     """Examples in a shuffled order that depends only on (seed, epoch), so a saved cursor is
     enough to continue exactly where a run stopped."""
 
-    def __init__(self, examples: list[Example], seed: int, cursor: DataCursor | None = None):
+    def __init__(self, examples: list[T], seed: int, cursor: DataCursor | None = None):
         self.examples = examples
         self.seed = seed
         self.cursor = cursor or DataCursor()
@@ -104,7 +108,7 @@ class ExampleStream:
             self._order_epoch = epoch
         return self._order
 
-    def take(self, n: int) -> list[Example]:
+    def take(self, n: int) -> list[T]:
         out = []
         for _ in range(n):
             c = self.cursor

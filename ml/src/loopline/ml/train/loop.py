@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -82,13 +83,20 @@ def train_step(model, batches: list[Batch], optimizer, params: list[torch.nn.Par
             (loss_sum / loss_tokens).backward()
         total += loss_sum.item()
     loss = total / loss_tokens if loss_tokens else math.nan
+    return apply_update(optimizer, params, clip, loss, sum(b.tokens for b in batches))
+
+
+def apply_update(optimizer, params: list[torch.nn.Parameter], clip: float, loss: float,
+                 tokens: int) -> StepResult:
+    """The end of a step whose gradients are in place: clip, then step unless anything is
+    non-finite (the update is skipped), and clear the gradients."""
     # With clipping off the call only measures the norm (the scale factor is capped at 1).
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf))
     applied = math.isfinite(loss) and math.isfinite(grad_norm)
     if applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, grad_norm, applied, sum(b.tokens for b in batches))
+    return StepResult(loss, grad_norm, applied, tokens)
 
 
 def rng_state() -> dict:
@@ -125,6 +133,34 @@ def load_model_and_data(config: JobConfig, job_dir: Path, device: torch.device, 
                else getattr(model.config, "max_position_embeddings", 2048))
     rows = read_rows(job_dir / DATASET_FILE)
     return model, [tokenize(tokenizer, row, eos_id, max_len) for row in rows], pad_id
+
+
+@dataclass
+class Objective:
+    """What a job trains and how one of its steps goes: ScalarLM's two training modes."""
+
+    model: torch.nn.Module
+    examples: list[Any]
+    collate: Callable[[list[Any]], Any]  # examples -> one micro-batch
+    # (model, micro-batches, optimizer, trainable params, clip, device) -> the step's result
+    step: Callable[..., StepResult]
+    lora_task_type: str  # PEFT's task type for a LoRA on ``model``
+    tokenformer_targets: list[str]
+
+
+def language_model_objective(config: JobConfig, job_dir: Path, device: torch.device,
+                             dtype: torch.dtype) -> Objective:
+    model, examples, pad_id = load_model_and_data(config, job_dir, device, dtype)
+    return Objective(model, examples, lambda micro: collate(micro, pad_id), train_step, "CAUSAL_LM",
+                     config.params.tokenformer_config.target_modules)
+
+
+def objective_of(config: JobConfig, job_dir: Path, device: torch.device, dtype: torch.dtype) -> Objective:
+    if config.params.training_mode == "embedding":
+        from .embedding import embedding_objective  # it imports this module
+
+        return embedding_objective(config, job_dir, device, dtype)
+    return language_model_objective(config, job_dir, device, dtype)
 
 
 @dataclass
@@ -184,10 +220,13 @@ def run_job(job_dir: Path, config: JobConfig, reporter: JobReporter,
     random.seed(p.seed)
     torch.manual_seed(p.seed)  # LoRA's A init draws from it
 
-    model, examples, pad_id = load_model_and_data(config, job_dir, device, dtype)
+    objective = objective_of(config, job_dir, device, dtype)
+    examples = objective.examples
     model, adapter_fields = adapter_io.prepare_model(
-        model, p.adapter_type, tokenformer=p.tokenformer_config.declared(),
-        lora=p.lora_config.declared(), base_model=config.model_path, seed=p.seed)
+        objective.model, p.adapter_type,
+        tokenformer={**p.tokenformer_config.declared(), "target_modules": objective.tokenformer_targets},
+        lora=p.lora_config.declared(), base_model=config.model_path, seed=p.seed,
+        lora_task_type=objective.lora_task_type)
     model.train()
     trainable = [q for q in model.parameters() if q.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=p.learning_rate)
@@ -208,6 +247,7 @@ def run_job(job_dir: Path, config: JobConfig, reporter: JobReporter,
     reporter.write(status="TRAINING", error=None)
     n_trainable = sum(q.numel() for q in trainable)
     reporter.event("started", step=run.step, max_steps=p.max_steps, adapter_type=p.adapter_type,
+                   training_mode=p.training_mode,
                    resumed_from=str(resumed_from[1].relative_to(job_dir)) if resumed_from else None,
                    examples=len(examples), trainable_parameters=n_trainable)
     log.info("training %s from step %d to %d (%s, %d examples, %d trainable parameters)",
@@ -219,9 +259,9 @@ def run_job(job_dir: Path, config: JobConfig, reporter: JobReporter,
     while run.step < p.max_steps and not stop_requested():
         started = time.perf_counter()
         micro = run.stream.take(p.batch_size * p.gradient_accumulation_steps)
-        batches = [collate(micro[i:i + p.batch_size], pad_id) for i in range(0, len(micro), p.batch_size)]
+        batches = [objective.collate(micro[i:i + p.batch_size]) for i in range(0, len(micro), p.batch_size)]
         lr = float(run.scheduler.get_last_lr()[0])  # torch allows tensor learning rates; ours is a number
-        result = train_step(model, batches, optimizer, trainable, p.gradient_clip_value, device)
+        result = objective.step(model, batches, optimizer, trainable, p.gradient_clip_value, device)
         run.scheduler.step()  # also on a skipped step, so the schedule stays tied to the step number
         run.step += 1
         if not result.applied:
