@@ -24,12 +24,12 @@ def stack(tmp_path_factory, tiny):
 @pytest.fixture(scope="session")
 def two_deployments_stack(tmp_path_factory):
     """The tiny generation model and the tiny embedding model side by side, each its own deployment
-    (``LOOPLINE_MODEL=tiny,tiny-embed``): test_deployments reads from it, then the fuzz run (which
-    clears the queue and cancels whatever job a random name matches) has it to itself. Nothing
-    trains the embedding model: no adapters (test_deployments.py says why); a short context
-    bounds each fuzz case (test_fuzz.py)."""
+    (``LOOPLINE_MODEL=tiny,tiny-embed``): test_deployments reads from it, test_embedding_training
+    trains an embedding adapter that its embedding deployment serves, then the fuzz run (which
+    clears the queue and cancels whatever job a random name matches) has it to itself; a short
+    context bounds each fuzz case (test_fuzz.py)."""
     s = make_stack(tmp_path_factory.mktemp("two-deployments"), "tiny,tiny-embed",
-                   LOOPLINE_MAX_MODEL_LEN="256", LOOPLINE_ADAPTERS__TINY_EMBED="false")
+                   LOOPLINE_MAX_MODEL_LEN="256")
     s.start()
     yield s
     s.stop()

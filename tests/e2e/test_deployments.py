@@ -25,10 +25,9 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "What is the capital of
 
 @pytest.fixture(scope="module")
 def stack(two_deployments_stack):
-    """CHAT and EMBED, one deployment each (conftest.py). The embedding deployment has its own
-    setting (stack.py: LOOPLINE_<SETTING>__<MODEL KEY>) LOOPLINE_ADAPTERS__TINY_EMBED=false:
-    nothing trains it, so no adapters and no LoRA buffers in its engine. No vLLM flag is needed:
-    the replica's flags leave prefix caching to vLLM, which knows an encoder-only model has none."""
+    """CHAT and EMBED, one deployment each (conftest.py), both serving adapters (an embedding job
+    trains EMBED's: test_embedding_training.py). No vLLM flag is needed: the replica's flags leave
+    prefix caching to vLLM, which knows an encoder-only model has none."""
     return two_deployments_stack
 
 
