@@ -201,6 +201,10 @@ def test_plain_jsonlines_and_llm_name_given(http, trainer):
     ({"lora_config": {"r": 8.5}}, "params.lora_config.r"),
     ({"adapter_type": "dora"}, "params.adapter_type"),
     ({"tensor_parallel": 2, "adapter_type": "lora"}, "params"),
+    ({"push_to_hub": {"repo_id": "not a repo"}}, "params.push_to_hub.repo_id"),
+    ({"push_to_hub": {"repo_id": "no-namespace"}}, "params.push_to_hub.repo_id"),
+    ({"push_to_hub": {"repo_id": "me/model", "revision": "refs/pr/1"}}, "params.push_to_hub.revision"),
+    ({"push_to_hub": {"repo_id": "me/model", "token": "hf_x"}}, "params.push_to_hub.token"),
 ])
 def test_bad_params_are_a_422_naming_the_field_before_anything_is_stored(http, nats_bus, params, field):
     from nats.js.errors import NotFoundError

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from loopline.common.contracts.adapter_format import AdapterType
+from loopline.common.contracts.hub_push import HubPush
 from loopline.common.contracts.job_hash import JobHash, Sha256Hex
 from loopline.common.contracts.train_params import CanonicalTrainParams
 
@@ -99,6 +100,8 @@ class JobInfo(BaseModel):
     checkpoints: list[CheckpointInfo] = Field(default_factory=list)
     error: str | None = None
     owner: str | None = None  # JobSubmit.owner of its first submit
+    # The push to the Hugging Face Hub its params asked for (push_to_hub), from COMPLETED on.
+    hub: HubPush | None = None
     # Filled in by the gateway from the served models, not by the trainer.
     deployed: bool = False
 
@@ -126,6 +129,7 @@ class JobEvent(BaseModel):
     epoch: float | None = None
     checkpoint: CheckpointInfo | None = None
     error: str | None = None
+    hub: HubPush | None = None  # the ``hub`` event: the push's outcome
 
 
 class LogsRequest(BaseModel):

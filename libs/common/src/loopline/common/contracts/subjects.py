@@ -100,7 +100,8 @@ QUEUE_STATE = "queue.state"
 # --- events --------------------------------------------------------------------------------------
 EVENTS_ALL = "events.>"
 JOB_EVENTS_ALL = "events.jobs.>"
-JOB_EVENT_KINDS = ("queued", "started", "progress", "checkpoint", "completed", "failed", "cancelled")
+# "hub" comes after "completed", when the trainer has pushed the job to the Hub (or failed to).
+JOB_EVENT_KINDS = ("queued", "started", "progress", "checkpoint", "completed", "failed", "cancelled", "hub")
 
 
 def job_event(job_hash: str, kind: str) -> str:

@@ -30,6 +30,7 @@ from pydantic import (
 
 from loopline.common.atomic_files import write_atomic
 from loopline.common.contracts.adapter_format import FULL_WEIGHTS, AdapterType
+from loopline.common.contracts.hub_push import HubPushParams
 from loopline.common.contracts.job_layout import CONFIG_FILE
 
 # The Llama/Qwen/Mistral projection names: attention and MLP, the usual "all-linear" set.
@@ -85,6 +86,8 @@ class TrainParams(_Params):
     adapter_type: AdapterType = "tokenformer"
     lora_config: LoraParams = Field(default_factory=LoraParams)
     tokenformer_config: TokenformerParams = Field(default_factory=TokenformerParams)
+    # Pushed to the Hugging Face Hub by the trainer once COMPLETED (hub_push.py); None: not pushed.
+    push_to_hub: HubPushParams | None = None
     # "auto": float32 on CPU (bf16 matmuls are slow there and lossy), bfloat16 on a GPU.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     max_seq_len: StrictInt | None = Field(None, ge=2)  # None: the model's max_position_embeddings
