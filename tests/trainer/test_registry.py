@@ -78,3 +78,21 @@ def test_updates_and_deletes(registry):
     assert registry.get("h1") is None
     with pytest.raises(JobNotFound):
         registry.resolve("latest")
+
+
+def test_a_push_to_the_hub_is_due_until_done(registry):
+    from loopline.common.contracts.hub_push import HubPush
+    from loopline.trainer.registry import HUB_DONE, HUB_PENDING, HUB_UNPUBLISHED
+
+    pending = HubPush(repo_id="org/m", revision="main", status="pending")
+    first = registry.insert(job("hub1", 1.0, status=JobStatus.COMPLETED, finished_at=2.0, hub=pending,
+                                hub_state=HUB_PENDING))
+    registry.insert(job("hub2", 2.0, status=JobStatus.COMPLETED, finished_at=1.0))  # asked for none
+    assert [j.job_hash for j in registry.to_push()] == ["hub1"]
+    pushed = HubPush(repo_id="org/m", revision="main", status="pushed", url="https://hub/c/1",
+                     commit="1" * 40)
+    registry.update(first, hub=pushed, hub_state=HUB_UNPUBLISHED)
+    assert registry.get("hub1").hub == pushed and [j.job_hash for j in registry.to_push()] == ["hub1"]
+    registry.update(first, hub_state=HUB_DONE)
+    assert registry.to_push() == [] and registry.get("hub1").hub == pushed
+    assert registry.get("hub2").hub is None

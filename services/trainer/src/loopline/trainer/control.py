@@ -27,7 +27,7 @@ from loopline.common.contracts.job_layout import CODE_DIR, DATASET_FILE
 from loopline.common.contracts.job_schemas import JobStatus, JobSubmit, OwnerFilter
 from loopline.common.contracts.train_params import JobConfig, TrainParams
 from loopline.common.runtime import adapter_retire, bus
-from loopline.trainer import jobdir, shipped_code
+from loopline.trainer import hub_push, jobdir, shipped_code
 from loopline.trainer.errors import CodeRefused, InvalidRequest, TrainerError, Unavailable, WrongState
 from loopline.trainer.events import EventPublisher
 from loopline.trainer.launchers import Launcher, LauncherError, LaunchSpec, LaunchState
@@ -83,6 +83,7 @@ class JobControl:
             existing = await asyncio.to_thread(self.registry.get, job_hash)
             if existing is not None:
                 return existing
+            await asyncio.to_thread(self._check_hub_token, request.params)
             llm_name = request.params.llm_name or self.settings.model
             params = request.params.model_copy(update={"llm_name": llm_name})
             model_path = resolve_model_path(llm_name, self.settings.models_dir)
@@ -124,6 +125,18 @@ class JobControl:
         except BaseException:
             await asyncio.to_thread(jobdir.remove, staging)
             raise
+
+    def _check_hub_token(self, params: TrainParams) -> None:
+        """Refuse a push_to_hub this trainer could not do (no token) before training, not after."""
+        if params.push_to_hub is None:
+            return
+        try:
+            token = hub_push.hub_token(self.settings)
+        except hub_push.NoToken as exc:
+            raise InvalidRequest(f"params.push_to_hub: {exc}") from exc
+        if token is None:
+            raise InvalidRequest("params.push_to_hub: this server has no Hugging Face token to push with "
+                                 "(an operator sets HF_TOKEN or LOOPLINE_HUB_TOKEN_FILE for the trainer)")
 
     async def _check_user_code(self) -> None:
         """Refuse a job's own code where user code is off, or where the job user could not run it."""

@@ -18,6 +18,7 @@ from nats.js import JetStreamContext
 from pydantic import ValidationError
 
 from loopline.common.contracts import subjects
+from loopline.common.contracts.hub_push import HubPush
 from loopline.common.contracts.job_schemas import CheckpointInfo, JobEvent, JobStatus
 from loopline.common.runtime import bus
 from loopline.trainer import jobdir
@@ -36,6 +37,7 @@ STATUS_OF_KIND = {
     "completed": JobStatus.COMPLETED,
     "failed": JobStatus.FAILED,
     "cancelled": JobStatus.CANCELLED,
+    "hub": JobStatus.COMPLETED,  # written by the trainer after the job completed (hub_loop.py)
 }
 FINAL_KIND = {JobStatus.COMPLETED: "completed", JobStatus.FAILED: "failed", JobStatus.CANCELLED: "cancelled"}
 _FIELDS = ("step", "max_steps", "loss", "learning_rate", "tokens_per_s", "epoch", "error")
@@ -58,6 +60,7 @@ def event_from_line(job_hash: str, seq: int, line: bytes) -> JobEvent | None:
             job_hash=job_hash, kind=kind, seq=seq, time=raw.get("time") or 0.0,
             status=STATUS_OF_KIND[kind],
             checkpoint=CheckpointInfo.model_validate(checkpoint) if checkpoint else None,
+            hub=HubPush.model_validate(raw["hub"]) if raw.get("hub") else None,
             **fields,
         )
     except (ValueError, ValidationError) as exc:

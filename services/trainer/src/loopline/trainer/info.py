@@ -35,6 +35,7 @@ def job_info(job: Job) -> JobInfo:
                      for step, path, mtime in jobdir.checkpoints(job.job_dir)],
         error=job.error,
         owner=job.owner,
+        hub=job.hub,
     )
 
 

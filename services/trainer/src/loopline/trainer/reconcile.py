@@ -8,8 +8,9 @@ For one job, under its lock:
   3. no run recorded (crash after sbatch, or sbatch refused): adopt a live one or launch again;
   4. run still alive or its state unknown: nothing more to do this time;
   5. run ended: publish its last lines, then status.json decides: COMPLETED/FAILED finish the
-     job; anything else means it was killed (preempted, time limit, node failure, scancel behind
-     our back) and it is launched again to resume from its last checkpoint.
+     job (a COMPLETED one with push_to_hub is then due to be pushed: hub_loop.py); anything
+     else means it was killed (preempted, time limit, node failure, scancel behind our back)
+     and it is launched again to resume from its last checkpoint.
 The row is only marked finished after the run ended and its last lines were published, so a job's
 ``completed`` event can never be left behind.
 """
@@ -26,6 +27,7 @@ from loopline.common.runtime import bus
 from loopline.common.runtime.service import pause
 from loopline.trainer import jobdir
 from loopline.trainer.control import JobControl
+from loopline.trainer.hub_loop import hub_pending
 from loopline.trainer.launchers import LauncherError, LaunchState
 from loopline.trainer.registry import Job
 
@@ -111,8 +113,10 @@ async def reconcile_job(control: JobControl, job_hash: str, states: RunStates) -
     ending = status.get("status")
     if ending == JobStatus.COMPLETED.value:
         log.info("job %s completed", job.job_hash)
+        # Its push to the Hub, when asked for, is due from the same update on (hub_loop.py).
         await asyncio.to_thread(control.registry.update, job, status=JobStatus.COMPLETED, events_done=True,
-                                finished_at=status.get("updated_at") or time.time(), error=None)
+                                finished_at=status.get("updated_at") or time.time(), error=None,
+                                **hub_pending(job))
     elif ending == JobStatus.FAILED.value:
         error = status.get("error") or f"the training program failed (see the {job.launcher} log)"
         log.info("job %s failed: %s", job.job_hash, error)

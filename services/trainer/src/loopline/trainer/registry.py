@@ -20,12 +20,16 @@ from prometheus_client.metrics_core import Metric
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
+from loopline.common.contracts.hub_push import HubPush
 from loopline.common.contracts.job_schemas import JobStatus, OwnerFilter
 from loopline.common.contracts.train_params import TrainParams, canonical
 from loopline.common.db.rows import JobRow
 from loopline.trainer.errors import InvalidRequest, JobNotFound
 
 LATEST = "latest"
+# The trainer's progress on a job's push (JobRow.hub_state): to push; pushed or failed, its hub
+# event not acknowledged yet; done.
+HUB_PENDING, HUB_UNPUBLISHED, HUB_DONE = "pending", "unpublished", "done"
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,8 @@ class Job:
     events_offset: int
     events_done: bool = False
     owner: str | None = None  # the API key that submitted it (JobSubmit.owner)
+    hub: HubPush | None = None  # its push_to_hub, from COMPLETED on (hub_loop.py)
+    hub_state: str | None = None  # HUB_PENDING, HUB_UNPUBLISHED, HUB_DONE
 
     @property
     def ranks(self) -> int:
@@ -74,6 +80,7 @@ class Job:
         values["status"] = JobStatus(row.status)
         values["job_dir"] = Path(row.job_dir)
         values["params"] = TrainParams.model_validate(row.params or {})
+        values["hub"] = HubPush.model_validate(row.hub) if row.hub else None
         return cls(**values)
 
     def to_row(self) -> JobRow:
@@ -81,6 +88,7 @@ class Job:
         values["status"] = self.status.value
         values["job_dir"] = str(self.job_dir)
         values["params"] = canonical(self.params)
+        values["hub"] = self.hub.model_dump(mode="json") if self.hub else None
         return JobRow(**values)
 
 
@@ -136,6 +144,14 @@ class Registry:
                      .order_by(JobRow.created_at))
             return [Job.from_row(r) for r in s.scalars(query).all()]
 
+    def to_push(self) -> builtins.list[Job]:
+        """COMPLETED jobs whose push to the Hub is not done: not tried yet, or its event unpublished."""
+        with Session(self.engine) as s:
+            query = (sa.select(JobRow).where(JobRow.status == JobStatus.COMPLETED.value,
+                                             JobRow.hub_state.in_((HUB_PENDING, HUB_UNPUBLISHED)))
+                     .order_by(JobRow.finished_at))
+            return [Job.from_row(r) for r in s.scalars(query).all()]
+
     def insert(self, job: Job) -> Job:
         with Session(self.engine) as s, s.begin():
             s.add(job.to_row())
@@ -151,6 +167,8 @@ class Registry:
             columns["job_dir"] = str(new.job_dir)
         if "params" in columns:
             columns["params"] = canonical(new.params)
+        if "hub" in columns:
+            columns["hub"] = new.hub.model_dump(mode="json") if new.hub else None
         with Session(self.engine) as s, s.begin():
             s.execute(sa.update(JobRow).where(JobRow.job_hash == job.job_hash).values(**columns))
         return new

@@ -5,6 +5,8 @@ Loops, under the shared runtime (loopline.common.runtime.service):
   reconcile       registry x job directories x launcher -> rows, runs, job events  (reconcile.py)
   tinker-workers  session workers x launcher -> released or failed, their calls answered
                   (tinker_workers.py)
+  hub             COMPLETED jobs with push_to_hub -> pushed to the Hugging Face Hub, hub events
+                  (hub_loop.py)
 and the nats.micro endpoints (endpoints.py) answer on svc.trainer.*, each request its own task.
 
 Its state is the SQL registry and the job directories; nothing lives only in memory, so it can be
@@ -27,6 +29,8 @@ from loopline.trainer import jobdir
 from loopline.trainer.control import JobControl
 from loopline.trainer.endpoints import Endpoints
 from loopline.trainer.events import EventPublisher
+from loopline.trainer.hub_loop import hub_loop
+from loopline.trainer.hub_push import HubPusher
 from loopline.trainer.launchers import make_launchers
 from loopline.trainer.reconcile import reconcile_loop
 from loopline.trainer.registry import Registry, job_count_families
@@ -73,4 +77,5 @@ async def run(rt: Runtime, settings: TrainerSettings) -> None:
     # 5. Reconcile until told to stop.
     interval = settings.reconcile_interval_s
     await rt.serve({"reconcile": reconcile_loop(control, rt.stopping, interval),
-                    "tinker-workers": tinker_workers_loop(tinker, rt.stopping, interval)})
+                    "tinker-workers": tinker_workers_loop(tinker, rt.stopping, interval),
+                    "hub": hub_loop(control, HubPusher(settings), rt.stopping, interval)})

@@ -302,6 +302,14 @@ class TrainerSettings(CommonSettings):
         "session worker left with none exits, freeing its Slurm allocation."))
     tinker_worker_command: str | None = Field(default=None, description=(
         "Replaces `python -m loopline.tinker_worker` in a session worker's entrypoint."))
+    # A job's push_to_hub is done by the trainer with these, never by the job (which sees no token).
+    hub_endpoint: str | None = Field(default=None, json_schema_extra=unset_means(
+        "`$HF_ENDPOINT`, else `https://huggingface.co`"), description=(
+        "The Hugging Face Hub that jobs with `push_to_hub` are pushed to."))
+    hub_token_file: Path | None = Field(default=None, json_schema_extra=unset_means(
+        "`$HF_TOKEN` (or huggingface_hub's saved token)"), description=(
+        "A file holding the Hub token jobs are pushed with (a mounted Kubernetes Secret); never "
+        "passed to a job. With no token at all, a job asking for `push_to_hub` is refused (422)."))
 
     @property
     def jobs_dir(self) -> Path:

@@ -106,3 +106,8 @@ class JobRow(Base):
     events_done: Mapped[bool] = mapped_column(Boolean, default=False)
     # The API key that submitted the job (JobSubmit.owner); NULL when the gateway has no keys.
     owner: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # The push to the Hugging Face Hub (contracts/hub_push.HubPush as JSON), NULL when none was
+    # asked for; hub_state is the trainer's own progress on it: "pending" (to push), "unpublished"
+    # (pushed or failed, its hub event not acknowledged yet), "done".
+    hub: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    hub_state: Mapped[str | None] = mapped_column(String(16), nullable=True)

@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from loopline.common.contracts.hub_push import HubPush
 from loopline.common.contracts.job_layout import DATASET_FILE
 from loopline.common.contracts.job_schemas import HistoryPoint, JobInfo
 from loopline.common.contracts.train_params import canonical
@@ -44,6 +45,8 @@ class TrainResponse(BaseModel):
     # Not ScalarLM's (its client passes the JSON through): why the newest checkpoint is not served,
     # in the replica's words, so a job no replica can load does not sit at deployed=false silently.
     deployment_error: str | None = None
+    # Not ScalarLM's either: the job's push to the Hugging Face Hub (its push_to_hub), once COMPLETED.
+    hub: HubPush | None = None
 
 
 class ModelEntry(BaseModel):
@@ -94,7 +97,7 @@ def train_response(info: JobInfo, deployed: bool, deployment_error: str | None =
     if info.code_origin is not None:  # keys ScalarLM's client does not read: only added
         config.update(ml_code=info.code_origin, ml_code_note=ML_CODE_NOTES[info.code_origin])
     return TrainResponse(job_status=status, job_config=config, deployed=deployed,
-                         deployment_error=deployment_error)
+                         deployment_error=deployment_error, hub=info.hub)
 
 
 def model_entry(info: JobInfo, deployed: bool, deployment_error: str | None = None) -> ModelEntry:
