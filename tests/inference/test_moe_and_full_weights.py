@@ -1,0 +1,56 @@
+"""The pieces a family's replica decides without an engine: which layers a mixture of experts on CPU
+takes a LoRA on (and the flag that tells vLLM), and the model folder a full fine-tune is served from.
+The engines themselves are tests/e2e/test_families.py's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loopline.common.contracts.adapter_format import WEIGHTS_FILE
+from loopline.common.contracts.model_support import MOE_CPU_LORA_MODULES
+from loopline.inference.full_weights import model_folder
+from loopline.inference.vllm_args import lora_modules, mixture_of_experts, serve_flags
+from loopline.ml.models.resolve import resolve_model
+from support.stacks import MODELS_DIR
+
+
+@pytest.mark.parametrize(("name", "moe"), [("tiny", False), ("tiny-qwen3", False), ("tiny-qwen3-moe", True)])
+def test_a_mixture_of_experts_is_read_from_its_config(name, moe):
+    folder = str(resolve_model(name, MODELS_DIR))
+    assert mixture_of_experts(folder) is moe
+    assert lora_modules(folder, cpu=True) == (list(MOE_CPU_LORA_MODULES) if moe else None)
+    assert lora_modules(folder, cpu=False) is None  # on a GPU vLLM runs LoRA beside experts
+    assert not mixture_of_experts("Qwen/Qwen3-30B-A3B")  # a Hub id: vLLM reads the model itself
+
+
+def test_the_flag_names_vllms_packed_layers(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_local_experts": 8}))  # Mixtral's spelling
+    layers = lora_modules(str(tmp_path), cpu=True)
+    flags = serve_flags(str(tmp_path), served_name="m", max_inflight=4, adapters=True, cpu=True,
+                        lora_layers=layers)
+    at = flags.index("--lora-target-modules")
+    assert flags[at + 1:at + 4] == ["qkv_proj", "o_proj", "lm_head"]
+    assert "--lora-target-modules" not in serve_flags(str(tmp_path), served_name="m", max_inflight=4,
+                                                      adapters=True, cpu=True)
+
+
+def test_a_full_fine_tunes_folder_is_the_base_models_but_its_weights(tmp_path):
+    base = resolve_model("tiny-qwen3", MODELS_DIR)
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    weights = {k: v + 1 for k, v in load_file(base / "model.safetensors").items()}
+    save_file(weights, checkpoint / WEIGHTS_FILE)
+    folder = model_folder(base, checkpoint, tmp_path / "model")
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "tokenizer.json", "model.safetensors"} <= names
+    served = load_file(folder / "model.safetensors")
+    assert all(torch.equal(served[k], weights[k]) for k in weights)
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder)  # what vLLM's loader reads, transformers reads
+    assert torch.equal(model.model.norm.weight, weights["model.norm.weight"])
