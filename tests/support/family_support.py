@@ -1,16 +1,15 @@
 """What each model family supports, as README.md's "Supported models" table shows it: one source for
 the table (tests/common/test_readme.py holds the README to ``table()``) and for the end-to-end tests
 that prove each cell (tests/e2e/test_families.py and, for the tiny Llama and the embedder, the tests
-named in NOTES). A cell starts with ✓ (works, tested), "refused" (refused at submission with why),
-or "—" (not applicable)."""
+the README names beside the table). A cell starts with ✓ (works, tested), "refused" (refused at
+submission with why), or "—" (not applicable)."""
 
 from __future__ import annotations
 
 COLUMNS = ("served", "LoRA", "Tokenformer", "full", "Tinker LoRA", "tensor parallel", "embedding")
 YES = "✓"
 TP_REFUSED = "refused (422: Llama only)"
-FULL = "✓ trains; not served by hash"
-DENSE = {"served": YES, "LoRA": YES, "Tokenformer": YES, "full": FULL, "Tinker LoRA": YES,
+DENSE = {"served": YES, "LoRA": YES, "Tokenformer": YES, "full": YES, "Tinker LoRA": YES,
          "tensor parallel": TP_REFUSED, "embedding": "—"}
 
 # family (the tiny model's name) -> (what real checkpoints it stands for, cells by column)
@@ -22,12 +21,10 @@ SUPPORT: dict[str, tuple[str, dict[str, str]]] = {
     "tiny-mistral": ("Mistral", DENSE),
     "tiny-qwen3-moe": ("Qwen3-MoE", {**DENSE, "LoRA": "✓ attention, lm_head; experts refused",
                                      "Tinker LoRA": "✓ train_mlp=False; the default refused"}),
+    "tiny-embed": ("BERT embedders", {"served": "✓ /v1/embeddings", "LoRA": "—", "Tokenformer": "—",
+                                      "full": "—", "Tinker LoRA": "—", "tensor parallel": "refused",
+                                      "embedding": "✓ LoRA"}),
 }
-
-# Where the cells not proven by tests/e2e/test_families.py are.
-NOTES = ("The tiny Llama's cells: tests/e2e/test_training.py (LoRA, Tokenformer, full), "
-         "tests/e2e/test_tinker_sdk.py (Tinker), tests/ml/test_tensor_parallel.py (tensor parallel).")
-
 
 def cell(family: str, column: str) -> str:
     return SUPPORT[family][1][column]

@@ -54,7 +54,7 @@ class Family:
 _COMMON: dict[str, Any] = {"num_hidden_layers": 2, "max_position_embeddings": 2048, "initializer_range": 0.3}
 
 
-def _ids(ids: dict[str, int]) -> dict[str, int]:
+def _ids(ids: dict[str, int]) -> dict[str, Any]:
     return {"bos_token_id": ids[IM_START], "eos_token_id": ids[IM_END], "pad_token_id": ids[ENDOFTEXT]}
 
 
@@ -94,10 +94,12 @@ def _mistral(ids: dict[str, int]):
 def _qwen3_moe(ids: dict[str, int]):
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(vocab_size=0, hidden_size=64, intermediate_size=256, moe_intermediate_size=64,
-                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                          tie_word_embeddings=False, **_COMMON, **_ids(ids))
+    config = Qwen3MoeConfig(vocab_size=0, hidden_size=64, intermediate_size=256, moe_intermediate_size=64,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                            **_COMMON, **_ids(ids))
+    config.head_dim = 32  # not in the config class's signature; its attention reads it
+    return config
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
