@@ -16,8 +16,9 @@ from loopline.gateway.scalarlm.train_servable import check_servable
 
 
 def record(model: str, architecture: str, lora_modules: list[str] | None = None) -> DeploymentInfo:
-    return DeploymentInfo(model=model, deployment=model, max_model_len=256, engine="vllm", max_adapter_rank=64,
-                          architecture=architecture, lora_lm_head=True, lora_modules=lora_modules)
+    return DeploymentInfo(model=model, deployment=model, max_model_len=256, engine="vllm",
+                          max_adapter_rank=64, architecture=architecture, lora_lm_head=True,
+                          lora_modules=lora_modules)
 
 
 LLAMA = record("tiny", "LlamaForCausalLM")
@@ -56,3 +57,14 @@ def test_a_lora_on_a_moe_on_cpu_must_name_layers_its_replicas_serve():
 
 def test_a_base_model_no_deployment_serves_is_left_to_the_training_program():
     check_servable(None, TrainParams(tensor_parallel=2, adapter_type="none"))
+
+
+def test_a_training_mode_needs_a_model_served_for_it():
+    embedder = DeploymentInfo(model="tiny-embed", deployment="tiny-embed", max_model_len=256, engine="vllm",
+                              tasks=["embed"], architecture="BertModel")
+    check_servable(embedder, TrainParams(training_mode="embedding"))
+    check_servable(LLAMA, TrainParams())
+    error = refusal(LLAMA, training_mode="embedding")
+    assert error.param == "params.training_mode" and "a generative model" in error.message
+    error = refusal(embedder)  # a language-model job
+    assert "'embedding'" in error.message and "a pooling (embedding) model" in error.message

@@ -1,11 +1,12 @@
 """A training job its base model's deployment could not train or serve is refused at submission.
 
-Known from the deployment record its replicas write (contracts/schemas.py ``DeploymentInfo``):
-tensor parallelism that loopline.ml.parallel does not build for the model class, and a LoRA on
-layers the replicas take none on (a mixture of experts on CPU). Each is a 422 naming the param and
-saying what would work, before the dataset is stored: the job would otherwise fail once launched,
-or train and then be refused by every replica. A base model no deployment serves (an admin's own)
-is left to the training program.
+Known from the deployment record its replicas write (contracts/schemas.py ``DeploymentInfo``): a
+training mode the model is not served for (an embedding job adapts a pooling model, a language-model
+job a generating one), tensor parallelism that loopline.ml.parallel does not build for the model
+class, and a LoRA on layers the replicas take none on (a mixture of experts on CPU). Each is a 422
+naming the param and saying what would work, before the dataset is stored: the job would otherwise
+fail once launched, or train and then be refused by every replica. A base model no deployment
+serves (an admin's own) is left to the training program.
 """
 
 from __future__ import annotations
@@ -17,14 +18,32 @@ from loopline.gateway.core.errors import ApiError
 
 # PEFT's shorthand for every linear layer (the LoRA default, LoraParams.target_modules).
 ALL_LINEAR = "all-linear"
+# The vLLM task a deployment must serve for a job of each training mode to be served by it.
+_TASK_OF_MODE = {"language_model": "generate", "embedding": "embed"}
 
 
 def check_servable(info: DeploymentInfo | None, params: TrainParams) -> None:
     if info is None:
         return
+    _check_training_mode(info, params)
     _check_tensor_parallel(info, params)
     if params.adapter_type == "lora":
         _check_lora_layers(info, params.lora_config.target_modules)
+
+
+def _check_training_mode(info: DeploymentInfo, params: TrainParams) -> None:
+    task = _TASK_OF_MODE[params.training_mode]
+    if task in info.tasks:
+        return
+    kind = "a pooling (embedding) model" if "embed" in info.tasks else "a generative model"
+    raise ApiError(422, f"params.training_mode {params.training_mode!r} needs a model served for "
+                        f"{task!r}, but {info.model!r} is {kind} (vLLM tasks: {', '.join(info.tasks)}): "
+                        f"use training_mode {_mode_for(info.tasks)!r} or another llm_name",
+                   param="params.training_mode")
+
+
+def _mode_for(tasks: list[str]) -> str:
+    return next((mode for mode, task in _TASK_OF_MODE.items() if task in tasks), "language_model")
 
 
 def _check_tensor_parallel(info: DeploymentInfo, params: TrainParams) -> None:

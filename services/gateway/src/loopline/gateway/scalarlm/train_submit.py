@@ -22,7 +22,6 @@ from loopline.common.config.settings import GatewaySettings
 from loopline.common.contracts import training_archive as archives
 from loopline.common.contracts.job_hash import job_hash as hash_job
 from loopline.common.contracts.job_schemas import JobInfo, JobSubmit
-from loopline.common.contracts.schemas import DeploymentInfo
 from loopline.common.contracts.train_params import TrainParams, canonical
 from loopline.gateway.auth.tenancy import owner_of, tenant_of
 from loopline.gateway.core.errors import ApiError
@@ -102,40 +101,6 @@ async def check_base_model(request: Request, llm_name: str) -> None:
                             "key, or LOOPLINE_ALLOW_ANY_BASE_MODEL=true", param="params.llm_name")
 
 
-# The vLLM task a deployment must serve for a job of each training mode to be served by it.
-_TASK_OF_MODE = {"language_model": "generate", "embedding": "embed"}
-
-
-async def check_training_mode(request: Request, params: TrainParams) -> None:
-    """A language-model job adapts a generating model and an embedding job a pooling one: a job
-    whose adapter its base model's deployment could not serve is refused here, with why. Known
-    from the deployment's vLLM tasks; a base model no deployment serves (an admin's own) is left
-    to the training program."""
-    models = gateway_of(request).models
-    name = params.llm_name
-
-    def deployment() -> DeploymentInfo | None:
-        return models.served.get(name or "") or next(
-            (info for info in models.served.values() if info.model_path == name), None)
-
-    info = deployment()
-    if info is None:
-        await models.refresh()
-        info = deployment()
-    task = _TASK_OF_MODE[params.training_mode]
-    if info is None or task in info.tasks:
-        return
-    kind = "a pooling (embedding) model" if "embed" in info.tasks else "a generative model"
-    raise ApiError(422, f"params.training_mode {params.training_mode!r} needs a model served for "
-                        f"{task!r}, but {info.model!r} is {kind} (vLLM tasks: {', '.join(info.tasks)}): "
-                        f"use training_mode {_mode_for(info.tasks)!r} or another llm_name",
-                   param="params.training_mode")
-
-
-def _mode_for(tasks: list[str]) -> str:
-    return next((mode for mode, task in _TASK_OF_MODE.items() if task in tasks), "language_model")
-
-
 async def submit_archive(request: Request, source: Path | IO[bytes], params: TrainParams) -> TrainResponse:
     settings: GatewaySettings = request.app.state.settings
     trainer = trainer_of(request)
@@ -144,7 +109,6 @@ async def submit_archive(request: Request, source: Path | IO[bytes], params: Tra
     if not params.llm_name:
         params = params.model_copy(update={"llm_name": settings.model})
     await check_base_model(request, params.llm_name or settings.model)
-    await check_training_mode(request, params)
     check_servable(await gateway_of(request).models.deployment_of(params.llm_name or settings.model), params)
     archive = await asyncio.to_thread(read_archive, source, settings, params.training_mode)
     with archive:
