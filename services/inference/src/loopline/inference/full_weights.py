@@ -27,11 +27,13 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-
-import httpx
+from typing import TYPE_CHECKING
 
 from loopline.common.contracts.adapter_format import WEIGHTS_FILE
 from loopline.inference.vllm_server import AdapterRejected, Answer
+
+if TYPE_CHECKING:  # imported when a full fine-tune is loaded: httpx pulls in zstandard, which only
+    import httpx  # the Tinker slice may (tests/deploy/test_tinker_slice.py)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,8 @@ class FullWeightsModel:
         self.log_path = log_path
         self.port = free_port()
         self.proc: asyncio.subprocess.Process | None = None
+        import httpx
+
         self.http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=None)
 
     async def start(self) -> None:
@@ -81,6 +85,8 @@ class FullWeightsModel:
                 *command, stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
         finally:
             out.close()
+        import httpx
+
         deadline = time.monotonic() + START_TIMEOUT_S
         # Invariant: the child is alive and has not answered /health yet.
         while True:
