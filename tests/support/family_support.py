@@ -16,7 +16,7 @@ DENSE = {"served": YES, "LoRA": YES, "Tokenformer": YES, "full": YES, "Tinker Lo
 SUPPORT: dict[str, tuple[str, dict[str, str]]] = {
     "tiny": ("Llama 2/3, SmolLM2", {**DENSE, "tensor parallel": "✓ TP=2 equals TP=1"}),
     "tiny-qwen2": ("Qwen2, Qwen2.5", DENSE),
-    "tiny-qwen3": ("Qwen3", DENSE),
+    "tiny-qwen3": ("Qwen3, Qwen3-Embedding", {**DENSE, "embedding": "✓ LoRA, with --convert embed"}),
     "tiny-gemma3": ("Gemma 3 (text)", DENSE),
     "tiny-mistral": ("Mistral", DENSE),
     "tiny-qwen3-moe": ("Qwen3-MoE", {**DENSE, "LoRA": "✓ attention, lm_head; experts refused",
