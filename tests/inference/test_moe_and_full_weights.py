@@ -54,3 +54,47 @@ def test_a_full_fine_tunes_folder_is_the_base_models_but_its_weights(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(folder)  # what vLLM's loader reads, transformers reads
     assert torch.equal(model.model.norm.weight, weights["model.norm.weight"])
+
+
+async def test_a_full_fine_tunes_answers_come_through_as_vllms_do(tmp_path):
+    """FullWeightsModel.call over HTTP, against a stand-in of the child's server (the real child is
+    tests/e2e/test_families.py's): a JSON answer whole, a stream event by event, a client gone
+    mid-stream promptly, an engine that does not answer as a 503."""
+    import asyncio
+
+    import httpx
+
+    from loopline.inference.full_weights import FullWeightsModel
+
+    async def slow_events():
+        for i in range(3):
+            yield f"data: {i}\n\n".encode()
+            await asyncio.sleep(0.05 if i < 2 else 60)
+
+    def child(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            return httpx.Response(200, json={"model": "v"})
+        if request.url.path == "/v1/chat/completions":
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=slow_events())
+        raise httpx.ConnectError("the engine is gone")
+
+    model = FullWeightsModel("v", [], tmp_path / "log")
+    model.http = httpx.AsyncClient(base_url="http://child", transport=httpx.MockTransport(child))
+    events: list[bytes] = []
+
+    async def on_event(event: bytes) -> None:
+        events.append(event)
+
+    answer = await model.call("/v1/completions", b"{}", on_event)
+    assert (answer.status, answer.body) == (200, b'{"model":"v"}') and not events
+
+    gone = asyncio.Event()
+    asyncio.get_running_loop().call_later(1.0, gone.set)
+    started = asyncio.get_running_loop().time()
+    answer = await model.call("/v1/chat/completions", b"{}", on_event, gone=gone)
+    assert asyncio.get_running_loop().time() - started < 5  # not the stream's 60 s
+    assert events == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n"]
+
+    answer = await model.call("/v1/embeddings", b"{}", on_event)
+    assert answer.status == 503 and b"not answering" in answer.body
+    await model.http.aclose()

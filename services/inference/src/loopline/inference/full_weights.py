@@ -119,6 +119,8 @@ class FullWeightsModel:
         finally:
             for waiter in waiters:
                 waiter.cancel()
+            # A cancelled task is done only once it has run its cancellation.
+            await asyncio.gather(*waiters, return_exceptions=True)
         if exchange.cancelled():
             return answer  # the client is gone: nobody reads this
         if (exc := exchange.exception()) is not None:
