@@ -98,3 +98,17 @@ async def test_a_full_fine_tunes_answers_come_through_as_vllms_do(tmp_path):
     answer = await model.call("/v1/embeddings", b"{}", on_event)
     assert answer.status == 503 and b"not answering" in answer.body
     await model.http.aclose()
+
+
+def test_a_full_fine_tunes_engine_has_the_deployments_flags_without_lora():
+    from loopline.common.config.settings import InferenceSettings
+    from loopline.inference.service import flags_of, full_weights_flags
+
+    settings = InferenceSettings(vllm_args="--seed 7", adapters=True)
+    flags = full_weights_flags(settings, "/fine-tune", "job@30")
+    assert flags[:4] == ["--model", "/fine-tune", "--served-model-name", "job@30"]
+    assert "--enable-lora" not in flags and flags[-2:] == ["--seed", "7"]
+    deployment = flags_of(settings, "/base")
+    assert [f for f in flags if f.startswith("--") and f not in ("--model", "--served-model-name")] == \
+        [f for f in deployment if f.startswith("--") and "lora" not in f and f not in (
+            "--model", "--served-model-name", "--max-loras")]

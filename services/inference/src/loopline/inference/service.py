@@ -14,6 +14,7 @@ redelivered.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 from pathlib import Path
@@ -54,6 +55,13 @@ def flags_of(settings: InferenceSettings, model_path: str, layers: list[str] | N
                        lora_layers=layers)
 
 
+def full_weights_flags(settings: InferenceSettings, folder: str, served_name: str) -> list[str]:
+    """The flags of a full fine-tune's own engine (full_weights.py): this deployment's, on the
+    fine-tune's model folder, under its version's name, without LoRA."""
+    return serve_flags(folder, served_name=served_name, max_inflight=settings.max_inflight,
+                       dtype=settings.dtype, max_model_len=settings.max_model_len, extra=settings.vllm_args)
+
+
 def _absolute(model_path: str) -> str:
     """A local folder as an absolute path (what a Tinker client on this host may name it by); a
     Hub id as it is."""
@@ -70,9 +78,8 @@ async def run(rt: Runtime, settings: InferenceSettings) -> None:
     # runtime), with the flags `vllm serve` would get.
     model_path = await asyncio.to_thread(prepare_model_folder, settings)
     layers = lora_modules(model_path) if settings.adapters else None
-    server = VllmServer(flags_of(settings, model_path, layers), full_weights=lambda folder, name: serve_flags(
-        folder, served_name=name, max_inflight=settings.max_inflight, dtype=settings.dtype,
-        max_model_len=settings.max_model_len, extra=settings.vllm_args))
+    server = VllmServer(flags_of(settings, model_path, layers),
+                        full_weights=functools.partial(full_weights_flags, settings))
     rt.on_stop(server.stop)
     log.info("loading %s from %s", settings.name, model_path)
     await server.start()
