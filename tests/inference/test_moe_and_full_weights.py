@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers.utils import CONFIG_NAME
 
 from loopline.common.contracts.adapter_format import WEIGHTS_FILE
 from loopline.common.contracts.model_support import MOE_CPU_LORA_MODULES
@@ -28,7 +29,7 @@ def test_a_mixture_of_experts_is_read_from_its_config(name, moe):
 
 
 def test_the_flag_names_vllms_packed_layers(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"num_local_experts": 8}))  # Mixtral's spelling
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({"num_local_experts": 8}))  # Mixtral's spelling
     layers = lora_modules(str(tmp_path), cpu=True)
     flags = serve_flags(str(tmp_path), served_name="m", max_inflight=4, adapters=True, cpu=True,
                         lora_layers=layers)
@@ -46,7 +47,7 @@ def test_a_full_fine_tunes_folder_is_the_base_models_but_its_weights(tmp_path):
     save_file(weights, checkpoint / WEIGHTS_FILE)
     folder = model_folder(base, checkpoint, tmp_path / "model")
     names = {p.name for p in folder.iterdir()}
-    assert {"config.json", "tokenizer.json", "model.safetensors"} <= names
+    assert {CONFIG_NAME, "tokenizer.json", "model.safetensors"} <= names
     served = load_file(folder / "model.safetensors")
     assert all(torch.equal(served[k], weights[k]) for k in weights)
 
