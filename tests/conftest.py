@@ -75,3 +75,7 @@ def slurm():
 
 def pytest_collection_modifyitems(config, items):
     mark_tiers(items)
+    # The model families' stack (six engines at its peak) first: in `make test` its lane then runs it
+    # while the other lane has started few of the stacks it keeps to the end. Run later, beside
+    # them, it took the last of the memory and the kernel killed one of their engines.
+    items.sort(key=lambda item: item.get_closest_marker("families") is None)
