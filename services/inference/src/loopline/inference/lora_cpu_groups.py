@@ -34,12 +34,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# (slot, rows) per adapter in the step; rows is None when the slot has every row of the step.
-Groups = tuple[tuple[int, torch.Tensor | None], ...]
+# (slot, rows, rank) per adapter in the step; rows is None when the slot has every row of the step,
+# rank None when the adapter's rank is not known (its weights are then used at the padded rank).
+Groups = tuple[tuple[int, torch.Tensor | None, int | None], ...]
 
 _lock = threading.Lock()
 _installed = False
 _HOOKS = ("update_metadata", "_apply_shrink", "_apply_expand", "add_lora_embedding")
+_SLOT_RANKS = "_ll_slot_ranks"  # on a punica wrapper: slot -> the rank of the adapter in it
 
 
 def install() -> None:
@@ -60,32 +62,55 @@ def install() -> None:
         if missing:
             raise RuntimeError(f"this vLLM's PunicaWrapperCPU has no {missing}: the grouped LoRA ops "
                                "need updating for it")
+        from vllm.lora.model_manager import LoRAModelManager
+
+        if not callable(getattr(LoRAModelManager, "activate_adapter", None)):
+            raise RuntimeError("this vLLM's LoRAModelManager has no activate_adapter: the grouped "
+                               "LoRA ops need updating for it")
         _patch(PunicaWrapperCPU)
+        _patch_activation(LoRAModelManager)
         _installed = True
         log.info("grouped CPU LoRA ops installed on %s", PunicaWrapperCPU.__name__)
 
 
-def token_groups(indices: torch.Tensor) -> Groups:
-    """The rows of each adapter slot in ``indices`` (one slot per token), slot -1 left out."""
+def token_groups(indices: torch.Tensor, ranks: dict[int, int] | None = None) -> Groups:
+    """The rows of each adapter slot in ``indices`` (one slot per token), slot -1 left out, with the
+    rank of the adapter in each slot where ``ranks`` knows it."""
+    ranks = ranks or {}
     slots = torch.unique(indices).tolist()
     if len(slots) == 1:
-        return () if slots[0] < 0 else ((slots[0], None),)
-    return tuple((slot, (indices == slot).nonzero().squeeze(1)) for slot in slots if slot >= 0)
+        return () if slots[0] < 0 else ((slots[0], None, ranks.get(slots[0])),)
+    return tuple((slot, (indices == slot).nonzero().squeeze(1), ranks.get(slot))
+                 for slot in slots if slot >= 0)
+
+
+def adapter_rank(lora_model: Any) -> int | None:
+    """The largest rank among a vLLM ``LoRAModel``'s layers, from their B matrices ([out, rank]:
+    the rank is the last axis for linear layers, embeddings and the unembedding alike)."""
+    ranks = []
+    for weights in lora_model.loras.values():
+        b = weights.lora_b
+        for part in b if isinstance(b, list | tuple) else [b]:
+            if isinstance(part, torch.Tensor) and part.dim() >= 2:
+                ranks.append(int(part.shape[-1]))
+    return max(ranks) if ranks else None
 
 
 def shrink(y: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, scale: float,
            groups: Groups) -> None:
-    """``y[i] = scale · x[i] A[s]ᵀ`` for the rows of each group (``A = weights[s, 0]``, [rank, in]),
-    0 for rows in none."""
-    if not (len(groups) == 1 and groups[0][1] is None):
+    """``y[i] = scale · x[i] A[s]ᵀ`` for the rows of each group (``A = weights[s, 0]``, [rank, in],
+    zero-padded beyond the adapter's rank), 0 for rows in none and beyond the rank."""
+    if not (len(groups) == 1 and groups[0][1] is None and groups[0][2] in (None, y.shape[1])):
         y.zero_()
-    for slot, rows in groups:
-        a = weights[slot, 0].to(y.dtype)
-        if rows is None:
+    for slot, rows, rank in groups:
+        a = weights[slot, 0, :rank].to(y.dtype)
+        if rows is None and rank is None:
             torch.mm(x.to(y.dtype), a.t(), out=y)
             y.mul_(scale)
+        elif rows is None:
+            y[:, :rank] = (x.to(y.dtype) @ a.t()) * scale
         else:
-            y.index_copy_(0, rows, (x.index_select(0, rows).to(y.dtype) @ a.t()) * scale)
+            y[:, :a.shape[0]].index_copy_(0, rows, (x.index_select(0, rows).to(y.dtype) @ a.t()) * scale)
 
 
 def expand(y: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, groups: Groups) -> None:
@@ -93,12 +118,12 @@ def expand(y: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, groups: Grou
     may be narrower or wider than ``B`` (vocabulary padding): the common columns are updated."""
     width = min(weights.shape[-2], y.shape[1])
     out = y[:, :width]
-    for slot, rows in groups:
-        b = weights[slot, 0, :width]
+    for slot, rows, rank in groups:
+        b = weights[slot, 0, :width, :rank].to(y.dtype)
         if rows is None:
-            out.add_((x.to(b.dtype) @ b.t()).to(y.dtype))
+            out.addmm_(x[:, :b.shape[1]].to(y.dtype), b.t())
         else:
-            out.index_add_(0, rows, (x.index_select(0, rows).to(b.dtype) @ b.t()).to(y.dtype))
+            out.index_add_(0, rows, x.index_select(0, rows)[:, :b.shape[1]].to(y.dtype) @ b.t())
 
 
 def _patch(cls: type[Any]) -> None:
@@ -110,7 +135,8 @@ def _patch(cls: type[Any]) -> None:
     def update_metadata_grouped(self, *args, **kwargs):
         update_metadata(self, *args, **kwargs)
         indices = self.token_lora_indices
-        self._ll_rows, self._ll_groups = indices.shape[0], token_groups(indices)
+        self._ll_rows = indices.shape[0]
+        self._ll_groups = token_groups(indices, getattr(self, _SLOT_RANKS, None))
 
     def groups_for(self, rows: int) -> Groups | None:
         return self._ll_groups if getattr(self, "_ll_rows", None) == rows else None
@@ -143,3 +169,26 @@ def _patch(cls: type[Any]) -> None:
                                ("add_lora_embedding", add_lora_embedding_grouped, add_lora_embedding)):
         fn.__loopline_original__ = original  # type: ignore[attr-defined]
         setattr(cls, name, fn)
+
+
+def _patch_activation(cls: type[Any]) -> None:
+    """Note each slot's adapter rank on the manager's wrappers when an adapter is put in a slot
+    (``activate_adapter`` is where vLLM 0.32 writes a slot's weights, and the only place)."""
+    original = cls.activate_adapter
+
+    @functools.wraps(original)
+    def activate_adapter(self, lora_id, *args, **kwargs):
+        placed = original(self, lora_id, *args, **kwargs)
+        if placed:
+            index = self.lora_index_to_id.index(lora_id)
+            rank = adapter_rank(self._registered_adapters[lora_id])
+            for wrapper in {id(w): w for w in self.punica_wrapper_mapping.values()}.values():
+                ranks = wrapper.__dict__.setdefault(_SLOT_RANKS, {})
+                if rank is None:
+                    ranks.pop(index, None)
+                else:
+                    ranks[index] = rank
+        return placed
+
+    activate_adapter.__loopline_original__ = original  # type: ignore[attr-defined]
+    cls.activate_adapter = activate_adapter
