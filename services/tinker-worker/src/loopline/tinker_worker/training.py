@@ -180,9 +180,10 @@ class TrainingClients:
     def _passes(self, data: list[tt.Datum], arrays: list[dict[str, np.ndarray]], loss: Loss,
                 forward_only: bool) -> list[tuple[list[int], bool]]:
         """One call's micro-batches and whether each needs a backward pass. Datums whose gradient
-        is zero (``without_gradient``) go forward only, in batches of their own: a forward without
-        the graph costs about half a forward and backward, and their loss and logprobs are the same
-        (the cookbook's math_rl batches: most groups' rewards are equal, bench/rl_loop.py)."""
+        is zero (``without_gradient``) go forward only, in batches of their own, with the same loss
+        and logprobs. A forward without the graph costs about half a forward and backward: SmolLM2,
+        32 datums of ~50 tokens of which 24 have zero advantages (math_rl: most groups' rewards are
+        equal), 7.0-7.1 s all through backward, 4.5-4.6 s so."""
         lengths = [d.model_input.length for d in data]
         inert = set(range(len(data))) if forward_only else without_gradient(loss, arrays)
         passes: list[tuple[list[int], bool]] = []
@@ -201,12 +202,12 @@ class TrainingClients:
             for indices, backward in self._passes(share.call.data, share.arrays, share.loss,
                                                   share.call.forward_only):
                 items[backward].extend((share, i) for i in indices)
+        order = {id(s): n for n, s in enumerate(shares)}
         passes: list[tuple[list[tuple[_Share, int]], bool]] = []
         for backward in (True, False):
             pool = items[backward]
             lengths = [share.call.data[i].model_input.length for share, i in pool]
             for group in micro_batches(lengths, self.micro_batch_tokens):
-                order = {id(s): n for n, s in enumerate(shares)}
                 rows = sorted((pool[j] for j in group), key=lambda item: order[id(item[0])])
                 passes.append((rows, backward))
         return passes
