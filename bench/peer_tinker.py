@@ -319,14 +319,16 @@ def report(result: dict, args: argparse.Namespace) -> None:
 def float32_copy(model: Path, to: Path) -> Path:
     """A folder of links to ``model``'s files whose config.json says float32: SkyRL computes in the
     config's dtype (SmolLM2's is bfloat16), Loopline's trainer in float32."""
+    from transformers import CONFIG_NAME  # config.json, by the name transformers reads
+
     to.mkdir()
     for f in model.iterdir():
-        if f.name != "config.json":
+        if f.name != CONFIG_NAME:
             (to / f.name).symlink_to(f.resolve())
-    config = json.loads((model / "config.json").read_text())
+    config = json.loads((model / CONFIG_NAME).read_text())
     config["dtype"] = "float32"
     config.pop("torch_dtype", None)
-    (to / "config.json").write_text(json.dumps(config, indent=1))
+    (to / CONFIG_NAME).write_text(json.dumps(config, indent=1))
     return to
 
 
