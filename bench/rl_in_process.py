@@ -23,6 +23,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Any
 
 # bench/tinker.py (a platform benchmark) would shadow the SDK: the venv's packages come first.
 sys.path.insert(0, sysconfig.get_paths()["purelib"])
@@ -155,7 +156,8 @@ class Batch:
         self.real = torch.tensor([[1] * n + [0] * (self.width - n) for n in self.lengths]).bool()
         logits = model(input_ids=ids, attention_mask=self.real.long()).logits.float()
         targets = self.inputs("target_tokens").long()
-        self.lp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        # log_softmax at the targets, without a second [batch, tokens, vocab] tensor.
+        self.lp = -torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
 
     def inputs(self, key: str) -> Tensor:
         rows = [d.loss_fn_inputs[key].to_torch().float() for d in self.data]
@@ -177,6 +179,55 @@ def importance_sampling_loss(model: nn.Module, data: list[tinker.Datum]) -> tupl
     return batch.summed(per_token), batch.per_datum()
 
 
+class InProcess:
+    """The server's part of the loop done here: sampling (``BatchSampler``), the LoRA, the loss and
+    AdamW, on a model of this process."""
+
+    def __init__(self, args: argparse.Namespace, tokenizer):
+        self.model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        self.params = add_lora(self.model, args.rank, args.seed)
+        for param in self.params:
+            param.grad = torch.zeros_like(param)
+        self.args = args
+        self.completer: TokenCompleter = BatchSampler(self.model, tokenizer, args.groups * args.group_size,
+                                                      args.max_tokens, args.temperature)
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def before_sampling(self) -> None:
+        self.model.eval()
+
+    async def train(self, data: list[tinker.Datum], adam: tinker.AdamParams, step: int) -> dict[str, Any]:
+        """The loss, backward and one AdamW step; loss, grad_norm, kl and the seconds it took."""
+        start = time.monotonic()
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(self.params, lr=adam.learning_rate,
+                                               betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                                               weight_decay=adam.weight_decay)
+        self.model.train()
+        # A datum whose advantages are all zero (its group's rewards were equal) adds exactly zero
+        # to the loss and gradient: only the others go through backward. The rest go forward
+        # without a graph, for the learner's logprobs of every datum that the server returns and
+        # the recipe's KL metric is computed from.
+        trained = [d for d in data if d.loss_fn_inputs["advantages"].to_torch().any()]
+        rest = [d for d in data if not d.loss_fn_inputs["advantages"].to_torch().any()]
+        loss, learner = 0.0, []
+        if trained:
+            summed, learner = importance_sampling_loss(self.model, trained)
+            summed.backward()
+            loss = summed.item()
+        with torch.no_grad():  # in batches of 8: one of 32 datums' logits is ~1 GB
+            for i in range(0, len(rest), 8):
+                learner += Batch(self.model, rest[i:i + 8]).per_datum()
+        kl = compute_kl_sample_train(trained + rest, learner)["optim/kl_sample_train_v1"]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, math.inf))
+        # Zero gradients (not None) still take an AdamW step, its momentum moving the weights,
+        # as the platform's optim_step does after a forward_backward whose advantages were all 0.
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        return {"loss": loss, "grad_norm": grad_norm, "kl_sample_train_v1": kl,
+                "trained_datums": len(trained), "train_s": time.monotonic() - start, "save_s": 0.0}
+
+
 class Server:
     """``--server URL``: the same loop, with a Loopline server sampling and training (through the
     SDK) from a LoRA drawn from the same seed, so only the executor differs from the in-process run.
@@ -195,14 +246,18 @@ class Server:
         await server.new_sampler(0)
         return server
 
+    def before_sampling(self) -> None:
+        pass
+
     async def new_sampler(self, step: int) -> None:
         sampler = await self.client.save_weights_and_get_sampling_client(f"rl-{step}")
         self.completer = TinkerTokenCompleter(sampler, max_tokens=self.args.max_tokens,
                                               temperature=self.args.temperature)
 
-    async def train(self, data: list[tinker.Datum], adam: tinker.AdamParams,
-                    step: int) -> tuple[float, float, float]:
-        """forward_backward then optim_step, each awaited; (loss, grad_norm, kl_sample_train_v1)."""
+    async def train(self, data: list[tinker.Datum], adam: tinker.AdamParams, step: int) -> dict[str, Any]:
+        """forward_backward then optim_step, each awaited, then a sampler of the new weights; loss,
+        grad_norm, kl and the seconds training and the save took."""
+        start = time.monotonic()
         # The recipe drops "mask" before sending (rl/train.py's _remove_mask): it is not a loss input.
         sent = [tinker.Datum(model_input=d.model_input, loss_fn_inputs={
             k: v for k, v in d.loss_fn_inputs.items() if k != "mask"}) for d in data]
@@ -210,8 +265,57 @@ class Server:
         stepped = await (await self.client.optim_step_async(adam))
         learner = [out["logprobs"].to_torch() for out in passed.loss_fn_outputs]
         kl = compute_kl_sample_train(data, learner)["optim/kl_sample_train_v1"]
+        trained = time.monotonic()
         await self.new_sampler(step + 1)
-        return passed.metrics["loss:sum"], stepped.metrics["grad_norm:mean"], kl
+        return {"loss": passed.metrics["loss:sum"], "grad_norm": stepped.metrics["grad_norm:mean"],
+                "kl_sample_train_v1": kl, "trained_datums": len(data), "train_s": trained - start,
+                "save_s": time.monotonic() - trained}
+
+
+Executor = InProcess | Server
+
+
+async def load_dataset(args: argparse.Namespace):
+    dataset, _ = await ArithmeticDatasetBuilder(
+        batch_size=args.groups, model_name_for_tokenizer=args.model, renderer_name="role_colon",
+        n_batches=100, include_fewshot=True, group_size=args.group_size)()
+    return dataset
+
+
+def adam_params(args: argparse.Namespace) -> tinker.AdamParams:
+    """What the cookbook's rl/train.py sends each step; the other fields are the SDK's defaults."""
+    adam = tinker.AdamParams(learning_rate=args.lr, beta1=0.9, beta2=0.95, eps=1e-8)
+    assert adam.grad_clip_norm == 0.0  # no clipping, as the worker does for 0
+    return adam
+
+
+async def iteration(executor: Executor, dataset, step: int, adam: tinker.AdamParams,
+                    args: argparse.Namespace) -> dict[str, Any]:
+    """One iteration of the recipe on ``executor``: its row, with where its seconds went (sampling,
+    training, the save of the new weights to a sampler, and the rest: the cookbook's own work)."""
+    start = time.monotonic()
+    builders = dataset.get_batch(step)
+    executor.before_sampling()
+    completer = executor.completer
+    assert completer is not None
+    groups = list(await asyncio.gather(*(do_group_rollout(b, completer) for b in builders)))
+    sampled = time.monotonic()
+    metrics = compute_trajectory_metrics(groups, [b.logging_tags() for b in builders])
+    # The recipe's Config leaves remove_constant_reward_groups False.
+    kept = remove_constant_reward_groups(groups) if args.remove_constant_reward_groups else groups
+    data, _ = assemble_training_data(kept, compute_advantages(kept))
+    trained = await executor.train(data, adam, step)
+    # What the platform's optim/entropy measures (-mean sampler logprob of all sampled tokens).
+    sampled_lp = [lp for g in groups for t in g.trajectories_G for lp in t.transitions[0].ac.logprobs]
+    seconds = time.monotonic() - start
+    return {"step": step, **{f"env/all/{k}": metrics[f"env/all/{k}"] for k in (
+        "reward/total", "correct", "format", "by_group/frac_mixed", "ac_tokens_per_turn")},
+        "loss": trained["loss"], "grad_norm": trained["grad_norm"], "datums": len(data),
+        "trained_datums": trained["trained_datums"], "kl_sample_train_v1": trained["kl_sample_train_v1"],
+        "sampled_entropy": -sum(sampled_lp) / len(sampled_lp), "seconds": round(seconds, 2),
+        "sampling_s": round(sampled - start, 2), "train_s": round(trained["train_s"], 2),
+        "save_s": round(trained["save_s"], 2),
+        "other_s": round(seconds - (sampled - start) - trained["train_s"] - trained["save_s"], 2)}
 
 
 def append_line(path: str, line: str) -> None:
@@ -221,60 +325,13 @@ def append_line(path: str, line: str) -> None:
 
 async def run(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
-    dataset, _ = await ArithmeticDatasetBuilder(
-        batch_size=args.groups, model_name_for_tokenizer=args.model, renderer_name="role_colon",
-        n_batches=100, include_fewshot=True, group_size=args.group_size)()
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    params = add_lora(model, args.rank, args.seed)
-    # What the cookbook's rl/train.py sends each step; the other fields are the SDK's defaults.
-    adam = tinker.AdamParams(learning_rate=args.lr, beta1=0.9, beta2=0.95, eps=1e-8)
-    print(f"AdamParams: {adam}; trainable parameters: {sum(p.numel() for p in params)}", flush=True)
-    assert adam.grad_clip_norm == 0.0  # no clipping, as the worker does for 0
-    for param in params:
-        param.grad = torch.zeros_like(param)
-    optimizer = torch.optim.AdamW(params, lr=adam.learning_rate, betas=(adam.beta1, adam.beta2),
-                                  eps=adam.eps, weight_decay=adam.weight_decay)
-    sampler = BatchSampler(model, dataset.renderer.tokenizer, args.groups * args.group_size,
-                           args.max_tokens, args.temperature)
-    server = await Server.start(args) if args.server else None
+    dataset = await load_dataset(args)
+    adam = adam_params(args)
+    executor: Executor = (await Server.start(args) if args.server
+                          else InProcess(args, dataset.renderer.tokenizer))
     rewards: list[float] = []
     for step in range(args.iterations):
-        start = time.monotonic()
-        builders = dataset.get_batch(step)
-        model.eval()
-        completer = sampler if server is None else server.completer
-        assert completer is not None
-        groups = list(await asyncio.gather(*(do_group_rollout(b, completer) for b in builders)))
-        sampled = time.monotonic()
-        metrics = compute_trajectory_metrics(groups, [b.logging_tags() for b in builders])
-        # The recipe's Config leaves remove_constant_reward_groups False.
-        kept = remove_constant_reward_groups(groups) if args.remove_constant_reward_groups else groups
-        data, _ = assemble_training_data(kept, compute_advantages(kept))
-        model.train()
-        # A datum whose advantages are all zero (its group's rewards were equal) adds exactly zero
-        # to the loss and gradient: only the others go through the model, to save CPU time.
-        trained = [d for d in data if d.loss_fn_inputs["advantages"].to_torch().any()]
-        loss, kl = 0.0, None  # kl: None when nothing was trained
-        if server is not None:
-            loss, grad_norm, kl = await server.train(data, adam, step)
-        else:
-            if trained:
-                summed, train_lp = importance_sampling_loss(model, trained)
-                summed.backward()
-                loss = summed.item()
-                kl = compute_kl_sample_train(trained, train_lp)["optim/kl_sample_train_v1"]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, math.inf))
-            # Zero gradients (not None) still take an AdamW step, its momentum moving the weights,
-            # as the platform's optim_step does after a forward_backward whose advantages were all 0.
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
-        # What the platform's optim/entropy measures (-mean sampler logprob of all sampled tokens).
-        sampled_lp = [lp for g in groups for t in g.trajectories_G for lp in t.transitions[0].ac.logprobs]
-        row = {"step": step, **{f"env/all/{k}": metrics[f"env/all/{k}"] for k in (
-            "reward/total", "correct", "format", "by_group/frac_mixed", "ac_tokens_per_turn")},
-            "loss": loss, "grad_norm": grad_norm, "datums": len(data), "trained_datums": len(trained),
-            "kl_sample_train_v1": kl, "sampled_entropy": -sum(sampled_lp) / len(sampled_lp),
-            "seconds": round(time.monotonic() - start, 1), "sampling_s": round(sampled - start, 1)}
+        row = await iteration(executor, dataset, step, adam, args)
         rewards.append(row["env/all/reward/total"])
         append_line(args.out, json.dumps(row))
         print(json.dumps(row), flush=True)
@@ -285,11 +342,9 @@ async def run(args: argparse.Namespace) -> None:
               f"difference {last - first:+.3f} ({len(rewards)} iterations)")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The recipe's settings, shared with bench/rl_loop.py."""
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--iterations", type=int, default=24)
-    parser.add_argument("--out", default="/tmp/rl_in_process.jsonl")
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--groups", type=int, default=8, help="groups_per_batch (problems)")
     parser.add_argument("--group-size", type=int, default=4)
@@ -297,10 +352,17 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--server", help="sample and train through this Loopline server instead "
-                        "(its URL; SmolLM2 served under --model's folder)")
     parser.add_argument("--remove-constant-reward-groups", action="store_true",
                         help="drop groups whose rewards are all equal (zero advantage anyway)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    parser.add_argument("--iterations", type=int, default=24)
+    parser.add_argument("--out", default="/tmp/rl_in_process.jsonl")
+    parser.add_argument("--server", help="sample and train through this Loopline server instead "
+                        "(its URL; SmolLM2 served under --model's folder)")
     args = parser.parse_args()
     Path(args.out).write_text("")
     asyncio.run(run(args))

@@ -59,9 +59,11 @@ def tokenizer(tiny):
 @pytest.fixture(scope="session")
 def tinker_stack(tmp_path_factory, tiny):
     """A stack for the Tinker API tests: its session workers run under the local launcher (the
-    Slurm one has its own test), reconciled often so a dead worker is noticed within a second."""
+    Slurm one has its own test), reconciled often so a dead worker is noticed within a second, and
+    share passes between clients as they do on a GPU (so every Tinker test here runs that path
+    wherever its calls meet another client's)."""
     s = make_stack(tmp_path_factory.mktemp("tinker-stack"), tiny, LOOPLINE_LAUNCHER="local",
-                   LOOPLINE_RECONCILE_INTERVAL_S="0.25")
+                   LOOPLINE_RECONCILE_INTERVAL_S="0.25", LOOPLINE_TINKER_SHARED_PASSES="true")
     s.start()
     yield s
     s.stop()

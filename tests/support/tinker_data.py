@@ -38,3 +38,14 @@ def sdk_body(data: list[tt.Datum], *, seq_id: int | None = 7, forward_only: bool
     message = forward_backward_request_to_proto(request)
     message.forward_only = forward_only
     return bytes(message.SerializeToString())
+
+
+def token_rows_data(vocab: int, rows: int, length: int, seed: int) -> list[tt.Datum]:
+    """``rows`` datums of ``length`` random token ids, a cross-entropy on every target."""
+    rng = np.random.default_rng(seed)
+    data = []
+    for _ in range(rows):
+        ids = rng.integers(3, vocab, length + 1).tolist()
+        data.append(make_datum(ids[:-1], {"target_tokens": np.asarray(ids[1:], np.int64),
+                                          "weights": np.ones(length, np.float32)}))
+    return data

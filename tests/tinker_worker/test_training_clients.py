@@ -186,3 +186,67 @@ def test_refusals_name_the_problem(clients, new_id, sft_data):
     clients.drop(model)
     clients.drop(model)  # dropping twice is harmless
     assert model not in clients.models()
+
+
+def test_datums_with_zero_advantages_go_forward_only_and_change_nothing(clients, new_id, sft_data,
+                                                                          monkeypatch):
+    """An RL batch's groups whose rewards were equal have zero advantages: their gradient is zero,
+    so they skip the backward pass. Loss, logprobs and gradient must equal those of the batch with
+    every datum through backward (the loss with no ``factor``, which never skips)."""
+    import dataclasses
+
+    from loopline.tinker_worker import losses
+
+    sampled = _logprobs(clients, _fresh(clients, new_id), sft_data)
+    data = [make_datum(tokens_of(d), {"target_tokens": inputs_of(d)["target_tokens"], "logprobs": lp,
+                                      "advantages": np.full(len(lp), a, np.float32)})
+            for d, lp, a in zip(sft_data, sampled, (0.0, 1.5, 0.0), strict=True)]
+    arrays = losses.check_data(losses.LOSSES["importance_sampling"], data, 10**6, None)
+    assert losses.without_gradient(losses.LOSSES["importance_sampling"], arrays) == {0, 2}
+    assert losses.without_gradient(losses.LOSSES["dro"], arrays) == set()  # its penalty has a gradient
+    passes = clients._passes(data, arrays, losses.LOSSES["importance_sampling"], False)
+    assert [(sorted(group), backward) for group, backward in passes] == [([1], True), ([0, 2], False)]
+
+    skipping, every = _fresh(clients, new_id), _fresh(clients, new_id)
+    fast = clients.forward_backward(skipping, data, "importance_sampling")
+    monkeypatch.setitem(losses.LOSSES, "importance_sampling",
+                        dataclasses.replace(losses.LOSSES["importance_sampling"], factor=None))
+    full = clients.forward_backward(every, data, "importance_sampling")
+    assert fast.metrics["loss:sum"] == pytest.approx(full.metrics["loss:sum"], rel=1e-6)
+    for x, y in zip(fast.outputs, full.outputs, strict=True):
+        np.testing.assert_allclose(x["logprobs"], y["logprobs"], atol=1e-5)
+    grads = [[p.grad for p in clients._clients[m].params] for m in (skipping, every)]
+    assert any(g is not None and g.abs().sum() > 0 for g in grads[0])
+    for x, y in zip(*grads, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_several_clients_in_one_pass_get_what_each_would_alone(clients, new_id, sft_data):
+    """Calls of different clients share passes (each row through its own adapter): every call's
+    loss, logprobs and gradient equal that call run alone, and a call the caller got wrong fails
+    alone."""
+    from loopline.tinker_worker.training import PassCall
+
+    def trained_pair() -> tuple[str, str]:
+        first, second = _fresh(clients, new_id), new_id()
+        clients.create(second, LoraSpec(rank=4, seed=9))
+        for model in (first, second):  # non-zero B, so each adapter changes its rows' logits
+            clients.forward_backward(model, sft_data, "cross_entropy")
+            clients.optim_step(model, AdamParams(learning_rate=1e-2))
+        return first, second
+
+    calls = lambda a, b: [PassCall(a, sft_data, "cross_entropy"),  # noqa: E731
+                          PassCall(b, sft_data[:2], "cross_entropy"),
+                          PassCall(a, sft_data, "no_such_loss"),
+                          PassCall(b, sft_data[1:], "cross_entropy", forward_only=True)]
+    pooled_models, alone_models = trained_pair(), trained_pair()
+    pooled = clients.forward_backward_many(calls(*pooled_models))
+    alone = [clients.forward_backward_many([call])[0] for call in calls(*alone_models)]
+    assert isinstance(pooled[2], UserError) and "no_such_loss" in str(pooled[2])
+    for k in (0, 1, 3):
+        assert pooled[k].metrics["loss:sum"] == pytest.approx(alone[k].metrics["loss:sum"], rel=1e-5)
+        for x, y in zip(pooled[k].outputs, alone[k].outputs, strict=True):
+            np.testing.assert_allclose(x["logprobs"], y["logprobs"], atol=1e-5)
+    for mine, theirs in zip(pooled_models, alone_models, strict=True):
+        for x, y in zip(clients._clients[mine].params, clients._clients[theirs].params, strict=True):
+            torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-6)

@@ -60,12 +60,16 @@ _lock = threading.Lock()
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: vLLM calls it once in every process it starts."""
-    from loopline.inference import lora_logits_vllm, lora_targets
+    from loopline.inference import lora_cpu_groups, lora_logits_vllm, lora_targets
 
     try:  # not a Tokenformer matter: LoRA prompt logprobs crash the engine without it
         lora_logits_vllm.install()
     except Exception:
         log.exception("prompt-logprobs LoRA fix not installed: prompt logprobs on adapters may fail")
+    try:  # nor this: LoRA on CPU by adapter rather than by token (the speed of RL sampling)
+        lora_cpu_groups.install()
+    except Exception:
+        log.exception("grouped CPU LoRA ops not installed: LoRA on CPU keeps vLLM's per-token ops")
     try:  # nor this: the unembedding's LoRA on Qwen2, Mistral and Gemma 3 (Tinker's default)
         lora_targets.install()
     except Exception:

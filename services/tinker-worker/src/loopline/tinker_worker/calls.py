@@ -42,8 +42,8 @@ from loopline.tinker_worker.saves import (
     write_sampler_checkpoint,
     write_state,
 )
-from loopline.tinker_worker.training import TrainingClients
-from loopline.tinker_worker.types import UserError
+from loopline.tinker_worker.training import PassCall, TrainingClients
+from loopline.tinker_worker.types import PassResult, UserError
 
 log = logging.getLogger(__name__)
 
@@ -84,18 +84,59 @@ class Calls:
                                base_model=model.base_model))
         return _json(call, {"model_id": model.model_id, "type": "create_model"})
 
+    async def forward_backwards(self, calls: list[tuple[StepCall, TinkerModel]]) -> list[FutureResult]:
+        """Several models' forward_backward calls, their compute in shared passes
+        (``TrainingClients.forward_backward_many``); each call's result is what it would be alone.
+        Should the shared passes fail otherwise than by a caller's mistake, each call runs alone,
+        so that a failure is the call's own."""
+        results: list[FutureResult | None] = [None] * len(calls)
+        requests: list[tuple[int, PassCall]] = []
+        for k, (call, model) in enumerate(calls):
+            try:
+                requests.append((k, await self._pass_call(call, model)))
+            except (UserError, ValueError) as exc:
+                results[k] = _failed(call, str(exc), "user")
+        try:
+            done = await asyncio.to_thread(self.clients.forward_backward_many, [r for _, r in requests])
+        except Exception:
+            log.exception("forward_backward of %d models in shared passes failed; running them one by one",
+                          len(requests))
+            for k, _ in requests:
+                results[k] = await self.run(*calls[k])
+        else:
+            for (k, request), result in zip(requests, done, strict=True):
+                call = calls[k][0]
+                if isinstance(result, UserError):
+                    results[k] = _failed(call, str(result), "user")
+                    continue
+                try:
+                    results[k] = await self._pass_result(call, request, result)
+                except Exception as exc:  # storing the result failed: the SDK may retry the call
+                    log.exception("forward_backward of %s: storing its result failed", call.model_id)
+                    results[k] = _failed(call, f"forward_backward failed on the session worker: "
+                                         f"{type(exc).__name__}: {exc}", "server")
+        return [r for r in results if r is not None]
+
     async def _forward_backward(self, call: StepCall, model: TinkerModel) -> FutureResult:
+        request = await self._pass_call(call, model)
+        result = await asyncio.to_thread(self.clients.forward_backward, request.model_id, request.data,
+                                         request.loss_fn, request.loss_fn_config, request.forward_only)
+        return await self._pass_result(call, request, result)
+
+    async def _pass_call(self, call: StepCall, model: TinkerModel) -> PassCall:
         assert call.proto is not None, "forward_backward carries its protobuf body"
         # The one parse of this body: the gateway read only its routing fields.
         request = decode_forward_backward(await self.store.unpack(call.proto))
         if request.loss_fn == "stable_reinforce":  # it trains against what sampling recorded
             records = await provenance.load(self.store.js, provenance.request_ids(request.data))
             request.data = provenance.apply(request.data, records, model)
-        result = await asyncio.to_thread(self.clients.forward_backward, model.model_id, request.data,
-                                         request.loss_fn, request.loss_fn_config, request.forward_only)
+        return PassCall(model.model_id, request.data, request.loss_fn, request.loss_fn_config,
+                        request.forward_only)
+
+    async def _pass_result(self, call: StepCall, request: PassCall, result: PassResult) -> FutureResult:
         if not request.forward_only:
             loss = result.metrics.get("loss:sum", 0.0)
-            self._loss[model.model_id] = self._loss.get(model.model_id, 0.0) + loss
+            self._loss[request.model_id] = self._loss.get(request.model_id, 0.0) + loss
         proto = encode_forward_backward_output("ArrayRecord", result.outputs, result.metrics)
         payload = await self.store.pack(f"result-{call.request_id}", proto)
         return FutureResult(request_id=call.request_id, model_id=call.model_id, media_type=PROTO,

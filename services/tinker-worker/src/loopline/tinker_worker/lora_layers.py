@@ -51,6 +51,9 @@ class MultiLoraLinear(nn.Module):
         self.lora_b = nn.ParameterDict()
         self.scales: dict[str, float] = {}
         self.active: str | None = None
+        # Several clients in one pass: (adapter, first row, end row) spans covering the batch in
+        # order, each span's rows through its own adapter; None: ``active`` for every row.
+        self.rows: tuple[tuple[str | None, int, int], ...] | None = None
 
     def add(self, name: str, rank: int, generator: torch.Generator) -> tuple[nn.Parameter, nn.Parameter]:
         weight = self.base.weight
@@ -68,10 +71,15 @@ class MultiLoraLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.base(x)
-        if self.active is None or self.active not in self.scales:
+        if self.rows is not None:
+            parts = [self._update(name, x[start:end], out[start:end]) for name, start, end in self.rows]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self._update(self.active, x, out)
+
+    def _update(self, name: str | None, x: Tensor, out: Tensor) -> Tensor:
+        if name is None or name not in self.scales:
             return out
-        update = (x @ self.lora_a[self.active].T) @ self.lora_b[self.active].T
-        return out + self.scales[self.active] * update
+        return out + self.scales[name] * ((x @ self.lora_a[name].T) @ self.lora_b[name].T)
 
 
 def wrap_targets(model: nn.Module) -> dict[str, MultiLoraLinear]:
@@ -99,7 +107,14 @@ def peft_names(path: str) -> tuple[str, str]:
 
 def set_active(layers: dict[str, MultiLoraLinear], name: str | None) -> None:
     for layer in layers.values():
-        layer.active = name
+        layer.active, layer.rows = name, None
+
+
+def set_rows(layers: dict[str, MultiLoraLinear], spans: list[tuple[str, int, int]]) -> None:
+    """Each span's batch rows through its adapter (spans in row order, covering the batch)."""
+    rows = tuple(spans)
+    for layer in layers.values():
+        layer.active, layer.rows = None, rows
 
 
 def tensor_dict(layers: dict[str, MultiLoraLinear], name: str) -> dict[str, Tensor]:

@@ -86,21 +86,29 @@ class Loss:
     # inputs), raising UserError; ``derived`` names those that are not inputs a client may send.
     prepare: Prepare | None = None
     derived: tuple[str, ...] = ()
+    # The input every token's loss is multiplied by: a datum where it is all zero has a loss of
+    # exactly zero gradient, so it needs a forward pass (its logprobs, its loss) but no backward.
+    # None where no input does that (DRO's penalty term, cross-entropy without weights).
+    factor: str | None = None
 
 
-_RL = (TARGETS, "logprobs", "advantages")
+ADVANTAGES = "advantages"
+_RL = (TARGETS, "logprobs", ADVANTAGES)
 _CLIPS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 LOSSES: dict[str, Loss] = {loss.name: loss for loss in (
-    Loss("cross_entropy", cross_entropy, (TARGETS,), {"weights": None}, {}, soft_targets=True),
-    Loss("importance_sampling", importance_sampling, _RL, {}, {}),
-    Loss("ppo", ppo, _RL, {k: k for k in _CLIPS}, _CLIPS),
-    Loss("cispo", cispo, _RL, {k: k for k in _CLIPS}, _CLIPS),
+    Loss("cross_entropy", cross_entropy, (TARGETS,), {"weights": None}, {}, soft_targets=True,
+         factor="weights"),
+    Loss("importance_sampling", importance_sampling, _RL, {}, {}, factor=ADVANTAGES),
+    Loss("ppo", ppo, _RL, {k: k for k in _CLIPS}, _CLIPS, factor=ADVANTAGES),
+    Loss("cispo", cispo, _RL, {k: k for k in _CLIPS}, _CLIPS, factor=ADVANTAGES),
     Loss("dro", dro, _RL, {}, {"beta": None}),
+    # A sequence loss's ratio is its own datum's: another datum's advantages never reach it.
     Loss("gspo", sequence_losses.gspo, _RL, {sequence_losses.RATIO_MASK: None,
                                              **{k: k for k in sequence_losses.GSPO_CLIPS}},
-         sequence_losses.GSPO_CLIPS, prepare=sequence_losses.default_ratio_mask),
+         sequence_losses.GSPO_CLIPS, prepare=sequence_losses.default_ratio_mask, factor=ADVANTAGES),
     Loss("stable_reinforce", sequence_losses.stable_reinforce, _RL, {}, {},
-         prepare=sequence_losses.sampled_positions, derived=(sequence_losses.SAMPLED,)),
+         prepare=sequence_losses.sampled_positions, derived=(sequence_losses.SAMPLED,),
+         factor=ADVANTAGES),
 )}
 _NOT_HERE = ("custom",)
 
@@ -186,6 +194,15 @@ def _targets_shape(loss: Loss, i: int, shape: tuple[int, ...], n: int) -> tuple[
     wanted = f"({n},) or ({n}, K) with K >= 1" if loss.soft_targets else f"({n},)"
     raise UserError(f"datum {i}: loss_fn_inputs[{TARGETS!r}] has shape {shape}, the model input has {n} "
                     f"tokens: it must be {wanted}")
+
+
+def without_gradient(loss: Loss, arrays: list[dict[str, np.ndarray]]) -> set[int]:
+    """The datums whose part of the loss has a zero gradient whatever the weights: ``loss.factor``
+    is all zero on them (the groups of an RL batch whose rewards were all equal, typically half or
+    more of them). A datum without the input (an optional weight of 1) is not among them."""
+    if loss.factor is None:
+        return set()
+    return {i for i, a in enumerate(arrays) if loss.factor in a and not a[loss.factor].any()}
 
 
 def fill_value(loss: Loss, config: dict[str, float], key: str) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import secrets
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from loopline.ml.adapters.io import read_tensors, write_adapter
 
 from . import adapter_files, lora_layers
 from .batching import build, default_micro_batch_tokens, micro_batches
-from .losses import check_data, resolve
+from .losses import Loss, check_data, resolve, without_gradient
 from .types import PassResult, UserError
 
 
@@ -120,58 +120,127 @@ class TrainingClients:
             raise UserError(f"model {model_id} is not loaded on this worker")
         return client
 
-    # --- passes ----------------------------------------------------------------------------------
+    # --- passes ---------------------------------------------------------------------------------
     def forward_backward(self, model_id: str, data: list[tt.Datum], loss_fn: str,
                          loss_fn_config: dict[str, Any] | None = None,
                          forward_only: bool = False) -> PassResult:
         """The loss summed over every target token of every datum; unless ``forward_only``, its
         gradient is added to the client's (which ``optim_step`` consumes)."""
-        loss, config = resolve(loss_fn, loss_fn_config)
-        arrays = check_data(loss, data, self.base.vocab_size, self.base.max_tokens)
-        outputs: list[dict[str, np.ndarray]] = [{} for _ in data]
-        total = 0.0
+        call = PassCall(model_id, data, loss_fn, loss_fn_config, forward_only)
+        result = self.forward_backward_many([call])[0]
+        if isinstance(result, UserError):
+            raise result
+        return result
+
+    def forward_backward_many(self, calls: list[PassCall]) -> list[PassResult | UserError]:
+        """Several calls, of one client or several, in shared passes over the base model: each
+        micro-batch holds datums of any of them, each row through its own client's adapter. Each
+        call's result is what it would be alone (within float32 rounding: a row's sums do not depend
+        on the rows beside it, the matrix kernels' blocking may). A call the caller got wrong gets
+        its UserError and the others go on; any other failure adds no gradient to any client (the
+        SDK may send the calls again) and is raised."""
+        results: list[PassResult | UserError | None] = [None] * len(calls)
+        shares: list[_Share] = []
+        for k, call in enumerate(calls):
+            try:
+                loss, config = resolve(call.loss_fn, call.loss_fn_config)
+                arrays = check_data(loss, call.data, self.base.vocab_size, self.base.max_tokens)
+            except UserError as exc:
+                results[k] = exc
+                continue
+            shares.append(_Share(k, call, loss, config, arrays))
         with self._lock:
-            client = self._client(model_id)
+            for share in list(shares):
+                try:
+                    share.client = self._client(share.call.model_id)
+                except UserError as exc:
+                    results[share.k] = exc
+                    shares.remove(share)
             # A call that fails half-way (out of memory in its third micro-batch) must add nothing:
             # the SDK may send it again. An adapter's gradients are small enough to copy.
-            before = None if forward_only else [None if p.grad is None else p.grad.clone()
-                                                 for p in client.params]
-            lora_layers.set_active(self.layers, client.adapter)
+            before = {id(s.client): (s.client, [None if p.grad is None else p.grad.clone()
+                                                for p in s.client.params])
+                      for s in shares if s.client is not None and not s.call.forward_only}
             try:
-                # Invariant: total and outputs hold the datums of the groups done so far, and the
-                # client's gradients have had exactly their part added.
-                for group in micro_batches([d.model_input.length for d in data], self.micro_batch_tokens):
-                    batch = build(group, data, arrays, loss, config, self.base.device)
-                    with torch.set_grad_enabled(not forward_only):
-                        logits = self.base.model(input_ids=batch.input_ids,
-                                                 attention_mask=batch.attention_mask).logits
-                        real = batch.real
-                        if batch.soft:  # (b, T, K): the logprob of each of K candidate tokens
-                            logprobs = logits.log_softmax(-1).gather(-1, batch.targets)
-                            real = real.unsqueeze(-1)
-                        else:
-                            logprobs = -F.cross_entropy(logits.transpose(1, 2), batch.targets,
-                                                        reduction="none")
-                        per_token = loss.per_token(logprobs, batch.inputs, config)
-                        summed = torch.where(real, per_token, 0.0).sum()
-                        if not forward_only:
-                            summed.backward()
-                    total += float(summed.detach())
-                    rows = logprobs.detach().float().cpu().numpy()
-                    for row, (i, n, w) in enumerate(zip(batch.indices, batch.lengths, batch.widths,
-                                                        strict=True)):
-                        out = rows[row, :n]
-                        if batch.soft:  # each datum's logprobs have its own target_tokens' shape
-                            out = out[:, :w] if w is not None else out[:, 0]
-                        outputs[i] = {"logprobs": out.copy()}
+                # Invariant: each share's total and outputs hold its datums of the passes done so
+                # far, and each client's gradients have had exactly their part added.
+                for rows, backward in self._pooled_passes(shares):
+                    self._pass(rows, backward)
             except BaseException:
-                if before is not None:
-                    for param, grad in zip(client.params, before, strict=True):
+                for client, grads in before.values():
+                    for param, grad in zip(client.params, grads, strict=True):
                         param.grad = grad
                 raise
             finally:
                 lora_layers.set_active(self.layers, None)
-        return PassResult(outputs, {"loss:sum": total})
+        for share in shares:
+            results[share.k] = PassResult(share.outputs, {"loss:sum": share.total})
+        return [r for r in results if r is not None]
+
+    def _passes(self, data: list[tt.Datum], arrays: list[dict[str, np.ndarray]], loss: Loss,
+                forward_only: bool) -> list[tuple[list[int], bool]]:
+        """One call's micro-batches and whether each needs a backward pass. Datums whose gradient
+        is zero (``without_gradient``) go forward only, in batches of their own, with the same loss
+        and logprobs. A forward without the graph costs about half a forward and backward: SmolLM2,
+        32 datums of ~50 tokens of which 24 have zero advantages (math_rl: most groups' rewards are
+        equal), 7.0-7.1 s all through backward, 4.5-4.6 s so."""
+        lengths = [d.model_input.length for d in data]
+        inert = set(range(len(data))) if forward_only else without_gradient(loss, arrays)
+        passes: list[tuple[list[int], bool]] = []
+        for backward, members in ((True, [i for i in range(len(data)) if i not in inert]),
+                                  (False, sorted(inert))):
+            for group in micro_batches([lengths[i] for i in members], self.micro_batch_tokens):
+                passes.append(([members[j] for j in group], backward))
+        return passes
+
+    def _pooled_passes(self, shares: list[_Share]) -> list[tuple[list[tuple[_Share, int]], bool]]:
+        """Every datum of every share in micro-batches, and whether each needs a backward pass
+        (``_passes``: datums whose gradient is zero go forward only); a micro-batch's rows are
+        grouped by share, in the shares' order."""
+        items: dict[bool, list[tuple[_Share, int]]] = {True: [], False: []}
+        for share in shares:
+            for indices, backward in self._passes(share.call.data, share.arrays, share.loss,
+                                                  share.call.forward_only):
+                items[backward].extend((share, i) for i in indices)
+        order = {id(s): n for n, s in enumerate(shares)}
+        passes: list[tuple[list[tuple[_Share, int]], bool]] = []
+        for backward in (True, False):
+            pool = items[backward]
+            lengths = [share.call.data[i].model_input.length for share, i in pool]
+            for group in micro_batches(lengths, self.micro_batch_tokens):
+                rows = sorted((pool[j] for j in group), key=lambda item: order[id(item[0])])
+                passes.append((rows, backward))
+        return passes
+
+    def _pass(self, rows: list[tuple[_Share, int]], backward: bool) -> None:
+        """One forward (and backward) of rows of one or several shares."""
+        spans: list[tuple[_Share, list[int]]] = []
+        for share, i in rows:
+            if spans and spans[-1][0] is share:
+                spans[-1][1].append(i)
+            else:
+                spans.append((share, [i]))
+        batches = [build(indices, share.call.data, share.arrays, share.loss, share.config, self.base.device)
+                   for share, indices in spans]
+        width = max(b.input_ids.shape[1] for b in batches)
+        ids = torch.cat([F.pad(b.input_ids, (0, width - b.input_ids.shape[1])) for b in batches])
+        mask = torch.cat([F.pad(b.attention_mask, (0, width - b.attention_mask.shape[1])) for b in batches])
+        starts = np.cumsum([0] + [b.input_ids.shape[0] for b in batches]).tolist()
+        clients = [share.client for share, _ in spans]
+        assert all(c is not None for c in clients)
+        lora_layers.set_rows(self.layers, [(c.adapter, starts[n], starts[n + 1])  # type: ignore[union-attr]
+                                           for n, c in enumerate(clients)])
+        with torch.set_grad_enabled(backward):
+            logits = self.base.model(input_ids=ids, attention_mask=mask).logits
+            sums = []
+            for n, ((share, _), batch) in enumerate(zip(spans, batches, strict=True)):
+                part = logits[starts[n]:starts[n + 1], :batch.input_ids.shape[1]]
+                logprobs, summed = _loss_of(part, batch, share)
+                sums.append(summed)
+                share.total += float(summed.detach())
+                _keep_outputs(share, batch, logprobs)
+            if backward:
+                torch.stack(sums).sum().backward()
 
     def optim_step(self, model_id: str, params: tt.AdamParams) -> dict[str, float]:
         """One AdamW step on the gradients accumulated since the last, then clears them."""
@@ -252,3 +321,52 @@ def _check_adam(params: tt.AdamParams) -> None:
     if bad or params.beta1 >= 1 or params.beta2 >= 1:
         raise UserError(f"adam_params: {bad or ['beta1', 'beta2']} out of range (all finite, >= 0; "
                         "betas < 1)")
+
+
+@dataclass
+class PassCall:
+    """One forward_backward call's arguments."""
+
+    model_id: str
+    data: list[tt.Datum]
+    loss_fn: str
+    loss_fn_config: dict[str, Any] | None = None
+    forward_only: bool = False
+
+
+@dataclass
+class _Share:
+    """One call's part of a pooled forward_backward, and what it has added up so far."""
+
+    k: int  # its position among the calls
+    call: PassCall
+    loss: Loss
+    config: dict[str, float]
+    arrays: list[dict[str, np.ndarray]]
+    client: Client | None = None
+    total: float = 0.0
+    outputs: list[dict[str, np.ndarray]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.outputs = [{} for _ in self.call.data]
+
+
+def _loss_of(logits: torch.Tensor, batch: Any, share: _Share) -> tuple[torch.Tensor, torch.Tensor]:
+    """A share's rows' logprobs of their targets and their summed loss."""
+    real = batch.real
+    if batch.soft:  # (b, T, K): the logprob of each of K candidate tokens
+        logprobs = logits.log_softmax(-1).gather(-1, batch.targets)
+        real = real.unsqueeze(-1)
+    else:
+        logprobs = -F.cross_entropy(logits.transpose(1, 2), batch.targets, reduction="none")
+    per_token = share.loss.per_token(logprobs, batch.inputs, share.config)
+    return logprobs, torch.where(real, per_token, 0.0).sum()
+
+
+def _keep_outputs(share: _Share, batch: Any, logprobs: torch.Tensor) -> None:
+    rows = logprobs.detach().float().cpu().numpy()
+    for row, (i, n, w) in enumerate(zip(batch.indices, batch.lengths, batch.widths, strict=True)):
+        out = rows[row, :n]
+        if batch.soft:  # each datum's logprobs have its own target_tokens' shape
+            out = out[:, :w] if w is not None else out[:, 0]
+        share.outputs[i] = {"logprobs": out.copy()}

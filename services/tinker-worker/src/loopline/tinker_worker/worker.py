@@ -18,6 +18,7 @@ A worker whose clients have all been released exits 0: the trainer then marks it
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -30,7 +31,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from loopline.common.config.settings import TinkerWorkerSettings
 from loopline.common.contracts import subjects
-from loopline.common.contracts.tinker_schemas import SessionEvent, StepCall, TinkerModel
+from loopline.common.contracts.tinker_schemas import FutureResult, SessionEvent, StepCall, TinkerModel
 from loopline.common.runtime import bus
 from loopline.common.runtime.service import Runtime, pause
 from loopline.common.runtime.tinker_store import TinkerStore
@@ -89,6 +90,11 @@ class SessionWorker:
         self.idle_since = time.monotonic()
         self._tasks: set[asyncio.Task] = set()
 
+    @functools.cached_property
+    def shared_passes(self) -> bool:
+        shared = self.settings.tinker_shared_passes
+        return self.calls.clients.base.device.type != "cpu" if shared is None else shared
+
     async def calls_loop(self, stopping: asyncio.Event) -> None:
         js = self.rt.js
         assert js is not None
@@ -129,25 +135,46 @@ class SessionWorker:
             queue.waiting[call.seq_id] = (call, msg)
 
     async def _run_ready(self) -> None:
-        now = time.monotonic()
-        for model_id, queue in list(self.queues.items()):
-            while queue.waiting:
-                if queue.next_seq not in queue.waiting:
-                    # The SDK numbers without gaps, but a call can be lost client-side (its process
-                    # died mid-send): after a while the later ones run without it.
-                    queue.stalled_since = queue.stalled_since or now
-                    if now - queue.stalled_since < self.settings.tinker_gap_timeout_s:
-                        break
-                    skipped_to = min(queue.waiting)
-                    log.warning("model %s: call %d never came; running %d", model_id, queue.next_seq,
-                                skipped_to)
-                    queue.next_seq = skipped_to
-                queue.stalled_since = None
-                call, msg = queue.waiting.pop(queue.next_seq)
-                queue.next_seq += 1
-                await self._run(call, msg)
+        # Rounds: each takes every model's next call in its order; with shared passes on, the
+        # round's forward_backward calls of different clients run in shared passes
+        # (Calls.forward_backwards), the rest one by one (TinkerWorkerSettings says when it pays).
+        while True:
+            ready = [item for model_id, queue in list(self.queues.items())
+                     if (item := self._next_ready(model_id, queue)) is not None]
+            if not ready:
+                return
+            shared = [(call, msg) for call, msg in ready
+                      if call.kind == "forward_backward" and self.shared_passes]
+            if len(shared) < 2:
+                shared = []
+            else:
+                await self._run_passes(shared)
+            for call, msg in ready:
+                if not any(call is other for other, _ in shared):
+                    await self._run(call, msg)
 
-    async def _run(self, call: StepCall, msg: Msg) -> None:
+    def _next_ready(self, model_id: str, queue: ModelQueue) -> tuple[StepCall, Msg] | None:
+        """The model's next call, if it has arrived (taken off the queue)."""
+        if not queue.waiting:
+            return None
+        if queue.next_seq not in queue.waiting:
+            # The SDK numbers without gaps, but a call can be lost client-side (its process died
+            # mid-send): after a while the later ones run without it.
+            now = time.monotonic()
+            queue.stalled_since = queue.stalled_since or now
+            if now - queue.stalled_since < self.settings.tinker_gap_timeout_s:
+                return None
+            skipped_to = min(queue.waiting)
+            log.warning("model %s: call %d never came; running %d", model_id, queue.next_seq, skipped_to)
+            queue.next_seq = skipped_to
+        queue.stalled_since = None
+        item = queue.waiting.pop(queue.next_seq)
+        queue.next_seq += 1
+        return item
+
+    async def _model_of(self, call: StepCall, msg: Msg) -> TinkerModel | None:
+        """The call's model record (read at its first call here), or None when the call was not
+        this worker's (it is then acked and dropped)."""
         queue = self.queues.setdefault(call.model_id, ModelQueue())
         queue.last_used = self.idle_since = time.monotonic()
         if queue.model is None:
@@ -155,13 +182,32 @@ class SessionWorker:
             if model is None or model.worker_id != self.settings.tinker_worker_id:
                 log.error("dropping %s for %s: no such model on this worker", call.kind, call.model_id)
                 await msg.ack()
-                return
+                return None
             queue.model = model
-        result = await self.calls.run(call, queue.model)
-        queue.last_request_at = time.time()
+        return queue.model
+
+    async def _run(self, call: StepCall, msg: Msg) -> None:
+        model = await self._model_of(call, msg)
+        if model is None:
+            return
+        result = await self.calls.run(call, model)
+        self.queues[call.model_id].last_request_at = time.time()
         if result is None:  # finished in the background; acked there
             self._spawn_ack_later(call, msg)
             return
+        await self._finished(call, msg, result)
+
+    async def _run_passes(self, items: list[tuple[StepCall, Msg]]) -> None:
+        """forward_backward calls of several models, in shared passes."""
+        mine = [(call, msg, model) for call, msg in items
+                if (model := await self._model_of(call, msg)) is not None]
+        log.info("forward_backward of %d models in shared passes", len(mine))
+        results = await self.calls.forward_backwards([(call, model) for call, _, model in mine])
+        for (call, msg, _), result in zip(mine, results, strict=True):
+            self.queues[call.model_id].last_request_at = time.time()
+            await self._finished(call, msg, result)
+
+    async def _finished(self, call: StepCall, msg: Msg, result: FutureResult) -> None:
         await self.store.finish(result)  # retried through NATS outages (publish_durable)
         await msg.ack()
 

@@ -96,6 +96,8 @@ class SessionWorkers:
                "LOOPLINE_TINKER_IDLE_TTL_S": str(settings.tinker_idle_ttl_s),
                "LOOPLINE_REPLICA_ID": worker.worker_id[:12],
                "LOOPLINE_METRICS_PORT": "0"}
+        if settings.tinker_shared_passes is not None:
+            env["LOOPLINE_TINKER_SHARED_PASSES"] = str(settings.tinker_shared_passes).lower()
         program = (shlex.split(settings.tinker_worker_command) if settings.tinker_worker_command
                    else [sys.executable, "-m", "loopline.tinker_worker"])
         await asyncio.to_thread(jobdir.write_entrypoint, folder, program, user_code=False, env=env,

@@ -247,6 +247,14 @@ class InferenceSettings(CommonSettings):
         return self.served_model_name or self.model
 
 
+SHARED_PASSES_DESCRIPTION = (
+    "Whether a session worker runs the `forward_backward` calls of different clients that are ready "
+    "at once in shared passes over the base model (each row through its own client's adapter). "
+    "Unset: on a GPU only. On CPU a pass costs as much as its rows whatever the grouping (tiny "
+    "model: one pass of 32 rows 104-122 ms, 4 passes of 8 rows 96-101 ms), so there they run one "
+    "after the other.")
+
+
 class TrainerSettings(CommonSettings):
     database_url: str | None = Field(default=None, description=DATABASE_DESCRIPTION,
                                      json_schema_extra=unset_means(DEFAULT_DATABASE))
@@ -302,6 +310,7 @@ class TrainerSettings(CommonSettings):
         "session worker left with none exits, freeing its Slurm allocation."))
     tinker_worker_command: str | None = Field(default=None, description=(
         "Replaces `python -m loopline.tinker_worker` in a session worker's entrypoint."))
+    tinker_shared_passes: bool | None = Field(default=None, description=SHARED_PASSES_DESCRIPTION)
     # A job's push_to_hub is done by the trainer with these, never by the job (which sees no token).
     hub_endpoint: str | None = Field(default=None, json_schema_extra=unset_means(
         "`$HF_ENDPOINT`, else `https://huggingface.co`"), description=(
@@ -359,6 +368,7 @@ class TinkerWorkerSettings(CommonSettings):
         "How long a sampler save waits for the checkpoint-watcher's announcement before failing."))
     heartbeat_s: float = Field(default=2.0, gt=0, description=(
         "How often the session worker records that it is alive."))
+    tinker_shared_passes: bool | None = Field(default=None, description=SHARED_PASSES_DESCRIPTION)
 
     @property
     def jobs_dir(self) -> Path:
