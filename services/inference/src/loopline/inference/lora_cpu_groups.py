@@ -10,7 +10,10 @@ do: the cookbook's arithmetic recipe sampled a few dozen tokens a second on a 13
 Here the step's tokens are grouped by adapter slot once, when vLLM sets the step's LoRA mapping
 (``update_metadata``), and each projection does one matrix product per adapter in the batch (the
 whole batch at once when it is a single adapter, the usual case in an RL loop). The result is the
-same product, summed in the same fp32 buffer vLLM uses.
+same product, summed in the same fp32 buffer vLLM uses. Each product goes through
+``row_invariant_mm``, so a row's bits do not depend on how many rows share its adapter in the step:
+without it, Loopline's replica and ``vllm serve`` batching the same requests differently disagreed
+in the 7th digit of a logprob (tests/e2e/test_vllm_parity_adapters.py compares them bit for bit).
 
 Slot -1 means "no adapter". vLLM's PyTorch ops index with it, which takes the *last* slot's
 weights; the gather here skips it, so a base-model row in a batch with adapters gets no delta (see
@@ -31,6 +34,8 @@ import threading
 from typing import Any
 
 import torch
+
+from loopline.inference.row_products import row_invariant_mm
 
 log = logging.getLogger(__name__)
 
@@ -100,17 +105,15 @@ def shrink(y: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, scale: float
            groups: Groups) -> None:
     """``y[i] = scale · x[i] A[s]ᵀ`` for the rows of each group (``A = weights[s, 0]``, [rank, in],
     zero-padded beyond the adapter's rank), 0 for rows in none and beyond the rank."""
-    if not (len(groups) == 1 and groups[0][1] is None and groups[0][2] in (None, y.shape[1])):
-        y.zero_()
+    y.zero_()
     for slot, rows, rank in groups:
         a = weights[slot, 0, :rank].to(y.dtype)
-        if rows is None and rank is None:
-            torch.mm(x.to(y.dtype), a.t(), out=y)
-            y.mul_(scale)
-        elif rows is None:
-            y[:, :rank] = (x.to(y.dtype) @ a.t()) * scale
+        picked = x if rows is None else x.index_select(0, rows)
+        product = row_invariant_mm(picked.to(y.dtype), a.t()) * scale
+        if rows is None:
+            y[:, :a.shape[0]] = product
         else:
-            y[:, :a.shape[0]].index_copy_(0, rows, (x.index_select(0, rows).to(y.dtype) @ a.t()) * scale)
+            y[:, :a.shape[0]].index_copy_(0, rows, product)
 
 
 def expand(y: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, groups: Groups) -> None:
@@ -120,10 +123,12 @@ def expand(y: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, groups: Grou
     out = y[:, :width]
     for slot, rows, rank in groups:
         b = weights[slot, 0, :width, :rank].to(y.dtype)
+        picked = x if rows is None else x.index_select(0, rows)
+        product = row_invariant_mm(picked[:, :b.shape[1]].to(y.dtype), b.t())
         if rows is None:
-            out.addmm_(x[:, :b.shape[1]].to(y.dtype), b.t())
+            out.add_(product)
         else:
-            out.index_add_(0, rows, x.index_select(0, rows)[:, :b.shape[1]].to(y.dtype) @ b.t())
+            out.index_add_(0, rows, product)
 
 
 def _patch(cls: type[Any]) -> None:
