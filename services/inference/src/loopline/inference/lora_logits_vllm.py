@@ -153,6 +153,7 @@ def add_lora_logits_per_slot(y: torch.Tensor, x: torch.Tensor, slots: torch.Tens
         if slot < 0:
             continue
         rows = (slots == slot).nonzero().squeeze(1)
-        shrunk = row_invariant_mm(x2.index_select(0, rows).float(), lora_a_stacked[slot, 0].float().t()) * scale
+        picked = x2.index_select(0, rows).float()
+        shrunk = row_invariant_mm(picked, lora_a_stacked[slot, 0].float().t()) * scale
         delta = row_invariant_mm(shrunk, lora_b_stacked[slot, 0, :width].float().t())
         y2[:, :width].index_add_(0, rows, delta.to(y2.dtype))
