@@ -221,6 +221,39 @@ def test_datums_with_zero_advantages_go_forward_only_and_change_nothing(clients,
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
+def test_a_step_of_zero_advantages_still_moves_the_adapter_by_momentum(clients, new_id, sft_data,
+                                                                       monkeypatch):
+    """A batch whose every advantage is zero goes forward only, yet its optim_step must move the
+    adapter as AdamW does on a zero gradient (by the momentum of earlier steps), as when every datum
+    goes through backward: the recipe's zero-advantage steps, which one process trains too."""
+    import dataclasses
+
+    from loopline.tinker_worker import losses
+
+    def rl(lp: np.ndarray, d: Datum, advantage: float) -> Datum:
+        return make_datum(tokens_of(d), {"target_tokens": inputs_of(d)["target_tokens"], "logprobs": lp,
+                                         "advantages": np.full(len(lp), advantage, np.float32)})
+
+    def two_steps(model: str) -> list[np.ndarray]:
+        def step(advantage: float) -> list[np.ndarray]:
+            data = [rl(lp, d, advantage) for lp, d in zip(sampled, sft_data, strict=True)]
+            clients.forward_backward(model, data, "importance_sampling")
+            clients.optim_step(model, AdamParams(learning_rate=1e-2))
+            return _logprobs(clients, model, sft_data)
+
+        sampled = _logprobs(clients, model, sft_data)
+        after_first, after_second = step(1.0), step(0.0)
+        assert any(not np.array_equal(a, b) for a, b in zip(after_first, after_second, strict=True))
+        return after_second
+
+    skipping = two_steps(_fresh(clients, new_id))
+    monkeypatch.setitem(losses.LOSSES, "importance_sampling",
+                        dataclasses.replace(losses.LOSSES["importance_sampling"], factor=None))
+    every = two_steps(_fresh(clients, new_id))
+    for x, y in zip(skipping, every, strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+
+
 def test_several_clients_in_one_pass_get_what_each_would_alone(clients, new_id, sft_data):
     """Calls of different clients share passes (each row through its own adapter): every call's
     loss, logprobs and gradient equal that call run alone, and a call the caller got wrong fails

@@ -166,6 +166,13 @@ class TrainingClients:
                 # far, and each client's gradients have had exactly their part added.
                 for rows, backward in self._pooled_passes(shares):
                     self._pass(rows, backward)
+                # A backward through datums of zero gradient would have left zeros, not None: AdamW
+                # skips a parameter whose grad is None, and its momentum must still move the
+                # adapter on a step whose every advantage is zero (what one process does).
+                for client, _ in before.values():
+                    for param in client.params:
+                        if param.grad is None:
+                            param.grad = torch.zeros_like(param)
             except BaseException:
                 for client, grads in before.values():
                     for param, grad in zip(client.params, grads, strict=True):
