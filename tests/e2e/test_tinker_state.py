@@ -15,9 +15,10 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from loopline.common.contracts import subjects, tinker_names
-from loopline.common.contracts.tinker_schemas import Payload, SessionEvent, StepCall
+from loopline.common.contracts.tinker_schemas import Payload, StepCall
 from loopline.common.runtime import bus
 from loopline.common.runtime.tinker_store import TinkerStore
+from support.session_events import session_events
 
 PAIRS = [("Say hi.", " Hi there!"), ("One plus one?", " Two."), ("Colour of sky?", " Blue.")]
 
@@ -135,23 +136,7 @@ def test_sessions_and_runs_are_listed(service, client_and_data):
 def test_session_events_carry_steps_and_saves(tinker_stack, client_and_data):
     client, _ = client_and_data
 
-    async def read() -> list[SessionEvent]:
-        nc = await bus.connect(tinker_stack.nats_url, "test-session-events")
-        try:
-            js = nc.jetstream()
-            sub = await js.subscribe(subjects.SESSION_EVENTS_ALL, stream=subjects.EVENTS_STREAM,
-                                     ordered_consumer=True)
-            events = []
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=1)
-                except TimeoutError:
-                    return events
-                events.append(SessionEvent.model_validate_json(msg.data))
-        finally:
-            await nc.close()
-
-    mine = [e for e in asyncio.run(read()) if e.model_id == client.model_id]
+    mine = session_events(tinker_stack.nats_url, client.model_id)
     kinds = {e.kind for e in mine}
     assert {"created", "step", "saved"} <= kinds, kinds
     steps = [e for e in mine if e.kind == "step"]

@@ -33,7 +33,7 @@ from loopline.common.contracts.tinker_schemas import (
     TinkerSampler,
 )
 from loopline.common.runtime.tinker_store import TinkerStore
-from loopline.tinker_worker import provenance
+from loopline.tinker_worker import provenance, staleness
 from loopline.tinker_worker.proto import decode_forward_backward, encode_forward_backward_output
 from loopline.tinker_worker.saves import (
     NotAnnounced,
@@ -61,6 +61,8 @@ class Calls:
         self.jobs_dir = settings.jobs_dir.resolve()
         # model -> the summed loss of its forward_backward calls since its last optim_step
         self._loss: dict[str, float] = {}
+        # model -> how stale the samples its forward_backward calls trained since then were
+        self._staleness: dict[str, staleness.Tally] = {}
         # request id -> what finishes that call in the background (run by the worker loop)
         self.pending: dict[str, Coroutine[Any, Any, None]] = {}
 
@@ -137,6 +139,9 @@ class Calls:
         if not request.forward_only:
             loss = result.metrics.get("loss:sum", 0.0)
             self._loss[request.model_id] = self._loss.get(request.model_id, 0.0) + loss
+            tally = await staleness.of_call(self.js, request.data, request.model_id,
+                                            self.clients.step_count(request.model_id))
+            self._staleness.setdefault(request.model_id, staleness.Tally()).add(tally)
         proto = encode_forward_backward_output("ArrayRecord", result.outputs, result.metrics)
         payload = await self.store.pack(f"result-{call.request_id}", proto)
         return FutureResult(request_id=call.request_id, model_id=call.model_id, media_type=PROTO,
@@ -148,9 +153,13 @@ class Calls:
         if not isinstance(params, tt.AdamParams):
             raise UserError("only AdamW is supported here (adam_params)")
         metrics = await asyncio.to_thread(self.clients.optim_step, model.model_id, params)
+        tally = self._staleness.pop(model.model_id, staleness.Tally())
+        metrics.update(tally.metrics())
         self.emit(SessionEvent(worker_id=model.worker_id, kind="step", model_id=model.model_id,
                                base_model=model.base_model, step=self.clients.step_count(model.model_id),
-                               loss=self._loss.pop(model.model_id, None)))
+                               loss=self._loss.pop(model.model_id, None),
+                               staleness=dict(tally.behind) if tally.behind else None,
+                               unstamped=tally.unstamped or None))
         return _json(call, {"metrics": metrics, "type": "optim_step"})
 
     async def _save_weights(self, call: StepCall, model: TinkerModel) -> FutureResult:
@@ -227,6 +236,7 @@ class Calls:
     def release(self, model_id: str) -> None:
         self.clients.drop(model_id)
         self._loss.pop(model_id, None)
+        self._staleness.pop(model_id, None)
 
     async def _record(self, model: TinkerModel, kind: Any, name: str, path: str, folder: Path,
                       ttl_s: int | None, *, adapter: str | None = None, step: int | None = None) -> None:

@@ -195,4 +195,9 @@ class SessionEvent(BaseModel):
     loss: float | None = None
     path: str | None = None
     detail: str | None = None
+    # A "step" event's sampled sequences trained since the step before, by how many optimizer steps
+    # behind the trainer their sampler's weights were (contracts/sampler_version.py)...
+    staleness: dict[int, int] | None = None
+    # ...and how many came from other weights: the base model, another run, or no stamp found.
+    unstamped: int | None = None
     time: float = Field(default_factory=time.time)

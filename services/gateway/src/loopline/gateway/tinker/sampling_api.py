@@ -19,6 +19,7 @@ from nats.js.errors import NotFoundError
 from tinker import types as tt
 
 from loopline.common.contracts import subjects, tinker_names
+from loopline.common.contracts.sampler_version import SamplerVersion
 from loopline.common.contracts.schemas import ResultItem, WorkItem
 from loopline.common.contracts.tinker_schemas import FutureResult, Payload, TinkerSampler
 from loopline.common.runtime import bus
@@ -135,12 +136,21 @@ async def asample(request: Request) -> dict[str, Any]:
                       adapter=sampler.adapter, kind="openai", batch_total=len(bodies))
              for i, b in enumerate(bodies)]
     # What the answer is turned into needs the request, kept beside the future: both are stored
-    # before the reply, at once (in sequence they cost the client a round trip more).
+    # before the reply, at once (in sequence they cost the client a round trip more). The request
+    # carries the version of the weights it samples, for the trainer's staleness count.
+    version = _version_of(sampler)
     await asyncio.gather(
         bus.publish_durable(gateway.js, subjects.tinker_sample_request(rid), raw, msg_id=f"{rid}.request",
-                            deadline_s=30),
+                            headers=version.headers() if version else None, deadline_s=30),
         gateway.work.publish(None, items, route.deployment))
     return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(body.num_samples)]}
+
+
+def _version_of(sampler: TinkerSampler) -> SamplerVersion | None:
+    """The training run and step of a sampler's saved weights; None for the base model."""
+    if sampler.model_path is None or sampler.step is None:
+        return None
+    return SamplerVersion(tinker_names.parse_path(sampler.model_path).model_id, sampler.step)
 
 
 async def wait_sample(gateway: Gateway, rid: str, timeout_s: float) -> FutureResult | None:
