@@ -77,7 +77,8 @@ def test_follow_a_run_to_its_end_and_a_worker_to_its_failure(cli, tinker):
     def event(kind: str, of=None, **fields) -> SessionEvent:
         return SessionEvent(worker_id=w.worker_id, kind=kind, model_id=of.model_id if of else None, **fields)
 
-    tinker.publish([event("created", a, base_model=records.BASE), event("step", a, step=1, loss=2.5),
+    tinker.publish([event("created", a, base_model=records.BASE),
+                    event("step", a, step=1, loss=2.5, staleness={1: 8, 0: 24}, unstamped=2),
                     event("step", b, step=1, loss=9.0)])
     # The rest comes while the command follows: published from beside it.
     live = [event("saved", a, step=1, path=saved), event("released", a, detail="idle for 600 s")]
@@ -87,6 +88,7 @@ def test_follow_a_run_to_its_end_and_a_worker_to_its_failure(cli, tinker):
     lines = run.stdout.splitlines()
     assert [line.split()[1] for line in lines] == ["created", "step", "saved", "released"]
     assert "loss 2.5000" in lines[1] and "loss 9.0000" not in run.stdout  # b's step is b's
+    assert "samples 0 behind: 24, 1 behind: 8, other weights: 2" in lines[1]
     assert saved in lines[2] and "idle for 600 s" in lines[3]
 
     tinker.publish([event("failed", detail="its Slurm job ended FAILED")])

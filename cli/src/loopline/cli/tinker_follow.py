@@ -28,11 +28,24 @@ def describe(event: dict[str, Any]) -> str:
     who = f"run {run}" if run else f"worker {event.get('worker_id', '?')}"
     parts = [f"step {event['step']}" if event.get("step") is not None else "",
              f"loss {event['loss']:.4f}" if isinstance(event.get("loss"), (int, float)) else "",
-             str(event.get("path") or ""), str(event.get("base_model") or "") if kind == "created" else "",
+             _staleness(event), str(event.get("path") or ""),
+             str(event.get("base_model") or "") if kind == "created" else "",
              str(event.get("detail") or "")]
     colour = {"failed": "red", "released": "yellow", "saved": "green", "created": "cyan"}.get(kind)
     label = f"[{colour}]{kind:<8}[/]" if colour else f"{kind:<8}"
     return f"{when} {label} {escape(who)}  " + escape("  ".join(p for p in parts if p))
+
+
+def _staleness(event: dict[str, Any]) -> str:
+    """A step's trained samples by steps behind ("samples 0 behind: 24, 1 behind: 8")."""
+    behind = event.get("staleness") or {}
+    if not isinstance(behind, dict):
+        return ""
+    counts = sorted((int(k), v) for k, v in behind.items() if str(k).isdigit())
+    parts = [f"{k} behind: {v}" for k, v in counts]
+    if event.get("unstamped"):
+        parts.append(f"other weights: {event['unstamped']}")
+    return f"samples {', '.join(parts)}" if parts else ""
 
 
 def follow_sessions(gateway: Gateway, console: Console, run_id: str | None = None,
