@@ -63,7 +63,7 @@ def test_each_step_reports_how_stale_its_samples_were(service, tinker_stack, tin
     assert steps[3].staleness == {2: 2, 0: 3} and steps[3].unstamped == 1, steps[3]
 
 
-def test_the_cookbooks_async_mode_runs_and_its_steps_report_staleness(service, tinker_stack, tiny, tmp_path):
+def test_the_cookbooks_async_mode_runs_and_its_steps_report_staleness(tinker_stack, tiny, tmp_path):
     """math_rl with ``max_steps_off_policy=1``: sampling for the next step overlaps training of this
     one. Every trained sample comes from this run's weights at most one step behind, which the
     step's metrics (logged by the recipe) and session event both say."""

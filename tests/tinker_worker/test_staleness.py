@@ -58,3 +58,36 @@ def test_a_request_without_a_whole_stamp_has_none(headers):
 def test_the_stamp_round_trips_through_headers():
     version = SamplerVersion("run", 7)
     assert SamplerVersion.of_headers(version.headers()) == version
+
+
+class _Stream:
+    """A stand-in for JetStream's last-message read, inside this unit test of ``versions`` only:
+    each request stamped at step 1, one read failing, one request unknown."""
+
+    def __init__(self, failing: str, missing: str):
+        self.failing, self.missing, self.reads = failing, missing, 0
+
+    async def get_last_msg(self, stream: str, subject: str, direct: bool = False):
+        from nats.js.api import RawStreamMsg
+        from nats.js.errors import NotFoundError
+
+        self.reads += 1
+        if self.failing in subject:
+            raise TimeoutError("the bus is away")
+        if self.missing in subject:
+            raise NotFoundError
+        return RawStreamMsg(subject=subject, headers=SamplerVersion("run", 1).headers())
+
+
+def test_lookups_are_bounded_and_a_failed_one_is_unstamped_not_an_error():
+    import asyncio
+
+    from loopline.tinker_worker.staleness import MAX_LOOKUPS, versions
+
+    rids = {f"{i:032x}_0" for i in range(MAX_LOOKUPS + 500)}  # a hostile body naming too many
+    failing, missing = sorted(rids)[:2]
+    stream = _Stream(failing, missing)
+    found = asyncio.run(versions(stream, rids))  # type: ignore[arg-type]
+    assert stream.reads == MAX_LOOKUPS
+    assert len(found) == MAX_LOOKUPS - 2 and failing not in found and missing not in found
+    assert set(found.values()) == {SamplerVersion("run", 1)}
