@@ -31,6 +31,7 @@ EXCLUDED = {
     "/v1/megatron/events": "every job's events, a stream that does not end by itself: a request to it "
                            "never completes, whatever it sends",
     "/v1/tinker/events": "every session worker's events, a stream that does not end by itself",
+    "/ui/live": "an open dashboard page's updates, a stream that does not end by itself",
 }
 TESTS = Path(__file__).resolve().parents[1]
 

@@ -14,9 +14,7 @@ a name of its own resolving to 127.0.0.1 (DNS rebinding) is refused as well."""
 from __future__ import annotations
 
 import base64
-import http.server
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +28,7 @@ from loopline.common.contracts.job_layout import DATASET_FILE
 from loopline.common.contracts.schemas import DeploymentInfo
 from loopline.common.local import launcher
 from loopline.common.runtime import bus
-from support.browser import Browser, require_chromium
+from support.browser import Browser, Site, other_site, require_chromium
 from support.bus_view import BusView
 from support.gateway_process import BASE_MODEL, start_gateway
 from support.scrape import scrape, value
@@ -109,38 +107,11 @@ def make_up_gateway(nats_proc, trainer, deployment, tmp_path_factory):
     launcher.stop(gw.proc)
 
 
-class Site:
-    """A site of its own: ``html`` is the page it serves at ``url``."""
-
-    def __init__(self, port: int):
-        self.url = f"http://{EVIL}:{port}/"
-        self.html = b""
-
-
 @pytest.fixture
 def evil_site() -> Iterator[Site]:
     """``http://evil.example:<port>/`` (the browser resolves the name to 127.0.0.1)."""
-    site: Site
-
-    class Page(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # http.server's name
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html")
-            self.send_header("Content-Length", str(len(site.html)))
-            self.end_headers()
-            self.wfile.write(site.html)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    site = Site(server.server_address[1])
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with other_site(EVIL) as site:
         yield site
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def refused(gateway_url: str) -> dict[str, float]:

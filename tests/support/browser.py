@@ -14,13 +14,17 @@ Chromium is Debian's ``chromium`` (scripts/browser/install.sh; ``make test`` ins
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import http.server
 import json
 import os
 import select
 import shutil
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -197,3 +201,80 @@ class Page:
             raise BrowserError(f"{expression[:80]!r} threw: "
                                f"{details.get('exception', {}).get('description') or details.get('text')}")
         return result["result"].get("value")
+
+    def wait_for(self, expression: str, *, timeout_s: float = 30.0, every_s: float = 0.2) -> Any:
+        """Evaluate ``expression`` until its value is truthy; that value (a BrowserError after
+        ``timeout_s``, with the last value seen)."""
+        deadline = time.monotonic() + timeout_s
+        value = None
+        while time.monotonic() < deadline:
+            value = self.evaluate(expression)
+            if value:
+                return value
+            time.sleep(every_s)
+        raise BrowserError(f"{expression[:120]!r} still {value!r} after {timeout_s} s")
+
+    def viewport(self, width: int, height: int, *, mobile: bool = False) -> None:
+        """Lay the page out as a window (``mobile``: a phone's) of this many CSS pixels."""
+        self.call("Emulation.setDeviceMetricsOverride", {"width": width, "height": height,
+                                                          "deviceScaleFactor": 1, "mobile": mobile})
+
+    def screenshot(self, path: Path) -> Path:
+        """What the page shows now, as a PNG at ``path``."""
+        import base64
+
+        shot = self.call("Page.captureScreenshot", {"format": "png"})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(base64.b64decode(shot["data"]))
+        return path
+
+    def without_javascript(self) -> None:
+        """Run no script in this tab from its next page on (as a browser with JavaScript off)."""
+        self.call("Emulation.setScriptExecutionDisabled", {"value": True})
+
+    def press(self, key: str, code: str, key_code: int, text: str = "") -> None:
+        """One key pressed and released, as the keyboard would (Tab: "Tab", "Tab", 9; Enter:
+        "Enter", "Enter", 13, "\r")."""
+        down = {"type": "keyDown", "text": text} if text else {"type": "rawKeyDown"}
+        for event in (down, {"type": "keyUp"}):
+            self.call("Input.dispatchKeyEvent", {**event, "key": key, "code": code,
+                                                 "windowsVirtualKeyCode": key_code})
+
+    def type_text(self, text: str) -> None:
+        """``text`` typed into the focused field."""
+        self.call("Input.insertText", {"text": text})
+
+
+class Site:
+    """A web site of another origin: ``html`` is the page it serves at ``url`` (any path)."""
+
+    def __init__(self, name: str, port: int):
+        self.url = f"http://{name}:{port}/"
+        self.html = b""
+
+
+@contextlib.contextmanager
+def other_site(name: str) -> Iterator[Site]:
+    """``http://<name>:<port>/``, served from this process (give the Browser ``resolve={name:
+    "127.0.0.1"}``), for the page of an attacker's site."""
+    site: Site
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # http.server's name
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(site.html)))
+            self.end_headers()
+            self.wfile.write(site.html)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    site = Site(name, server.server_address[1])
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield site
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -22,9 +22,10 @@ from loopline.gateway.openai import routers as openai
 from loopline.gateway.scalarlm import routers as scalarlm
 from loopline.gateway.scalarlm.upload_chunks import ChunkStaging
 from loopline.gateway.tinker import routers as tinker
+from loopline.gateway.ui import routers as ui
 
 # Every surface's routers, in the order the app includes them (the OpenAPI test reads them too).
-ROUTERS = (*openai.ROUTERS, *scalarlm.ROUTERS, *tinker.ROUTERS)
+ROUTERS = (*openai.ROUTERS, *scalarlm.ROUTERS, *tinker.ROUTERS, *ui.ROUTERS)
 _tracer = tracer("loopline.gateway")
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ def create_app(settings: GatewaySettings, gateway: Gateway) -> FastAPI:
     app = FastAPI(title="Loopline gateway", version="0.1.0")
     app.state.settings = settings
     app.state.gateway = gateway  # gateway_of(request)
+    app.state.key_store = None  # the gateway's API keys, when it has some
     app.state.upload_staging = ChunkStaging(settings.state_dir / "uploads", settings.upload_ttl_s)
     errors.install(app)
 
@@ -57,7 +59,9 @@ def create_app(settings: GatewaySettings, gateway: Gateway) -> FastAPI:
     keyed = bool(settings.api_key_set) or settings.api_keys_file is not None
     if keyed:
         # Outside the body limit: an unauthenticated client gets 401 before any body is read.
-        app.add_middleware(ApiKeys, store=KeyStore(settings.api_keys_file, settings.api_key_set),
+        # The dashboard's sign-in (ui/login_api.py) checks a key against the same store.
+        app.state.key_store = KeyStore(settings.api_keys_file, settings.api_key_set)
+        app.add_middleware(ApiKeys, store=app.state.key_store,
                            limits=KeyLimits(settings.retry_after_s), routes=app.router.routes)
     elif not _is_loopback(settings.host):
         log.warning("the gateway listens on %s with no API keys: anyone who can reach it can infer, "

@@ -25,6 +25,7 @@ from loopline.gateway.core.service_calls import ServiceCalls
 from loopline.gateway.core.trainer_client import TrainerClient
 from loopline.gateway.core.work import WorkPublisher
 from loopline.gateway.tinker.part import TinkerPart
+from loopline.gateway.ui.feeds import DashboardFeeds
 
 
 class Gateway:
@@ -47,6 +48,8 @@ class Gateway:
         self.session_quota = WindowQuota(settings.max_tinker_sessions_per_key,
                                          settings.tinker_sessions_max_age_s, "max_tinker_sessions_per_key",
                                          "Tinker sessions and sampling sessions")
+        # the dashboard's (/ui) view of the cluster and the newest events, shared by its pages
+        self.ui = DashboardFeeds(nc, js, self.services, self.models, settings.ui_refresh_s)
         self.js = js
 
     async def start(self) -> None:
@@ -57,8 +60,10 @@ class Gateway:
         await self.models.start()
         await self.adapters.start()
         await self.tinker.start()
+        await self.ui.start()
 
     async def stop(self) -> None:
+        await self.ui.stop()
         await self.adapters.stop()
 
     def status_detail(self) -> dict[str, Any]:

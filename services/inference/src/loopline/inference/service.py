@@ -114,7 +114,9 @@ async def run(rt: Runtime, settings: InferenceSettings) -> None:
                     max_deliver=settings.max_deliver, adapters=adapters)
 
     def status() -> dict[str, Any]:
-        return {"model": settings.name, "engine": "vllm", "tasks": list(server.tasks),
+        # A dead engine ends the process within a second (engine_watch.py); until then it says so.
+        return {"model": settings.name, "engine": "vllm", "deployment": deployment,
+                "engine_state": f"dead: {why}" if (why := server.dead) else "up", "tasks": list(server.tasks),
                 "in_flight": len(worker.inflight), "served": worker.served,
                 "max_model_len": server.max_model_len, "adapters": adapters.loaded() if adapters else {}}
 

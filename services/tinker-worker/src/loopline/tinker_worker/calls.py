@@ -157,7 +157,7 @@ class Calls:
         metrics.update(tally.metrics())
         self.emit(SessionEvent(worker_id=model.worker_id, kind="step", model_id=model.model_id,
                                base_model=model.base_model, step=self.clients.step_count(model.model_id),
-                               loss=self._loss.pop(model.model_id, None),
+                               loss=self._loss.pop(model.model_id, None), learning_rate=params.learning_rate,
                                staleness=dict(tally.behind) if tally.behind else None,
                                unstamped=tally.unstamped or None))
         return _json(call, {"metrics": metrics, "type": "optim_step"})

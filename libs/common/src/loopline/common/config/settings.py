@@ -165,6 +165,11 @@ class GatewaySettings(CommonSettings):
         "Let a key without the admin scope train any `llm_name` (a server path, a Hub id); off, its "
         "`llm_name` must be a model this deployment serves (400 otherwise). Admin keys, and every "
         "request when keys are off, may always name any."))
+    # A page left open holds one event stream; each re-reads the cluster's state (shared by every
+    # open page of the gateway) and its own jobs and runs at most this often.
+    ui_refresh_s: float = Field(default=2.0, ge=0.2, le=60, description=(
+        "How often an open dashboard page (`/ui`) is brought up to date when nothing happens; an "
+        "event (a step, a checkpoint, an adapter loaded) updates it at once."))
     # Empty: a browser page may change state only from the gateway's own origin (auth/same_origin.py).
     allowed_origins: str = Field(default="", description=(
         "Comma-separated origins (`https://app.example.com`) of web pages whose browsers may send "

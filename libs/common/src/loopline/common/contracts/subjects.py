@@ -206,7 +206,7 @@ def tinker_calls_durable(worker_id: str) -> str:
 
 
 SESSION_EVENTS_ALL = "events.sessions.>"
-SESSION_EVENT_KINDS = ("created", "step", "saved", "released", "failed")
+SESSION_EVENT_KINDS = ("created", "step", "saved", "released", "failed", "metrics")
 
 
 def session_event(worker_id: str, kind: str) -> str:

@@ -192,7 +192,8 @@ class SessionEvent(BaseModel):
     model_id: str | None = None
     base_model: str | None = None
     step: int | None = None
-    loss: float | None = None
+    loss: float | None = None  # a "step": the sum of its forward_backward losses since the step before
+    learning_rate: float | None = None  # a "step": the AdamW learning rate it took
     path: str | None = None
     detail: str | None = None
     # A "step" event's sampled sequences trained since the step before, by how many optimizer steps
@@ -200,4 +201,7 @@ class SessionEvent(BaseModel):
     staleness: dict[int, int] | None = None
     # ...and how many came from other weights: the base model, another run, or no stamp found.
     unstamped: int | None = None
+    # A "metrics" event: what the run's client reported for ``step`` (POST
+    # /v1/tinker/runs/{run}/metrics: the cookbook's reward and the like), drawn on the dashboard.
+    metrics: dict[str, float] | None = None
     time: float = Field(default_factory=time.time)

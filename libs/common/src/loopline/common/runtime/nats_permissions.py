@@ -192,8 +192,11 @@ def gateway() -> Permissions:
             .merge(publisher(*(f"{JS_API}.STREAM.{verb}.{_object_stream(subjects.UPLOADS_BUCKET)}"
                                for verb in ("CREATE", "UPDATE"))))
             .merge(_all_tinker_records(write=True))
-            # /v1/health pings every service; the ScalarLM and train routes call queue and trainer.
-            .merge(service_caller("$SRV.PING.>", "$SRV.INFO.>", *_service_subjects(""))))
+            # A run's client posts its metrics (tinker/run_metrics.py): the one event it writes.
+            .merge(publisher(subjects.session_event("*", "metrics")))
+            # /v1/health pings every service, the dashboard asks every replica for its stats; the
+            # ScalarLM and train routes call queue and trainer.
+            .merge(service_caller("$SRV.PING.>", "$SRV.INFO.>", "$SRV.STATS.>", *_service_subjects(""))))
 
 
 def queue() -> Permissions:

@@ -32,7 +32,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from contextlib import AsyncExitStack
 from typing import Any, NoReturn, TypeVar
 
@@ -131,8 +131,18 @@ class Runtime:
             reply = ServiceStatus(service=self.role, replica=self.replica, detail={**detail, **metrics_url})
             await req.respond(reply.model_dump_json().encode())
 
+        def stats_data(_endpoint: object) -> dict[str, Any] | None:
+            # $SRV.STATS reaches every instance (an endpoint reaches one of a queue group): the
+            # dashboard reads each replica's status there in one request (gateway ui/cluster_feed.py).
+            detail = status()
+            if isinstance(detail, Awaitable):  # an async status is for the endpoint only
+                if isinstance(detail, Coroutine):
+                    detail.close()
+                return None
+            return ServiceStatus(service=self.role, replica=self.replica, detail=detail).model_dump()
+
         self.service = await add_service(
-            self.nc, name=name, version=VERSION, description=description,
+            self.nc, name=name, version=VERSION, description=description, stats_handler=stats_data,
             metadata={"replica": self.replica, **(metadata or {}),
                       **({"metrics": self.metrics.url} if self.metrics else {})})
         await self.service.add_endpoint(name="status", subject=status_subject, handler=answer_status)

@@ -2,7 +2,9 @@
 ``LOOPLINE_API_KEYS_FILE`` set, every route but the health probes, ``/metrics`` and the OpenAPI
 pages wants ``Authorization: Bearer <key>`` (what the ``openai`` client sends as its ``api_key``),
 and every Tinker route (``/api/v1``) ``X-API-Key: <key>`` (what the ``tinker`` SDK sends; it insists
-its keys start with ``tml-``, as ``loopline keys create`` makes them).
+its keys start with ``tml-``, as ``loopline keys create`` makes them). The dashboard's pages
+(``/ui``) take the key from the cookie its sign-in sets, too (ui_cookie.py); a browser that has
+none is sent to the sign-in page.
 
 In order, a request is answered 401 (no key, or not one of this gateway's: key_store.py), 403 (the
 key lacks the scope its route declares: core/route_spec.py), 429 with ``Retry-After`` (over the key's
@@ -21,6 +23,7 @@ import re
 from fastapi import Request
 from starlette.routing import BaseRoute, Route
 
+from loopline.gateway.auth import ui_cookie
 from loopline.gateway.auth.key_limits import KeyLimits
 from loopline.gateway.auth.key_store import ApiKey, KeyStore
 from loopline.gateway.auth.scopes import ANY_KEY, OPEN, allows
@@ -33,6 +36,7 @@ from loopline.gateway.core.route_spec import scope_of
 # before its 404).
 DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 TINKER_PREFIX = "/api/v1/"
+LIVE_PATH = "/ui/live"  # an EventSource, not a person: a 401 it can report
 STATE_KEY = "api_key"
 
 
@@ -59,14 +63,19 @@ class ApiKeys:
         if need == OPEN:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
+        ui = ui_cookie.is_ui_path(path)
         if tinker:
             header = token = headers.get(b"x-api-key", b"")
             scheme = b"bearer"
         else:
             header = headers.get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
+            if ui and not header and (signed_in := ui_cookie.key_in(headers.get(b"cookie", b""))):
+                header, scheme, token = b"cookie", b"bearer", signed_in
         # One hash and one dict lookup; the hash of a 256-bit random key says nothing about others.
         key = self.store.lookup(token.strip()) if scheme.lower() == b"bearer" and token.strip() else None
+        if key is None and ui and scope["method"] in ("GET", "HEAD") and path != LIVE_PATH:
+            return await _to_sign_in(send)  # a person at a browser: the sign-in page, not JSON
         if key is None:
             how = "'X-API-Key: <key>'" if tinker else "'Authorization: Bearer <key>'"
             why = "missing API key" if not header else "invalid API key"
@@ -129,3 +138,10 @@ async def _refuse(send, path: str, status: int, message: str, type: str,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(payload)).encode()), *(headers or [])]})
     await send({"type": "http.response.body", "body": payload})
+
+
+async def _to_sign_in(send) -> None:
+    await send({"type": "http.response.start", "status": 303,
+                "headers": [(b"location", b"/ui/login"), (b"content-length", b"0"),
+                            (b"cache-control", b"no-store")]})
+    await send({"type": "http.response.body", "body": b""})

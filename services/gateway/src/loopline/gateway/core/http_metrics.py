@@ -16,6 +16,7 @@ from starlette.routing import BaseRoute, Match
 
 from loopline.common.runtime import metrics
 from loopline.gateway.auth.scopes import OPEN
+from loopline.gateway.core.recent_requests import RECENT
 from loopline.gateway.core.route_spec import declare
 
 REQUESTS = Counter("loopline_gateway_requests", (
@@ -70,6 +71,8 @@ class CountRequests:
         if latency is None:
             latency = self._latencies[route, method] = LATENCY.labels(route, method)
         latency.observe(seconds)
+        if status < 400:  # a refusal's speed says nothing about serving
+            RECENT.record(scope["path"], seconds)
 
     def _template(self, scope) -> str:
         # The router put the route it matched in the scope (the same dict: routing updates it).

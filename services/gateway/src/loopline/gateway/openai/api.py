@@ -12,6 +12,7 @@ version stamp of an adapter answer (``system_fingerprint``: ``<job hash>@<step>`
 from __future__ import annotations
 
 import json
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,12 +24,13 @@ from nats.aio.subscription import Subscription
 from loopline.common.contracts import subjects
 from loopline.common.contracts.schemas import QUEUED_ROUTES, ResultItem, WorkItem
 from loopline.gateway.auth.scopes import INFERENCE
-from loopline.gateway.auth.tenancy import tenant_of
+from loopline.gateway.auth.tenancy import owner_of, tenant_of
 from loopline.gateway.core.answers import Answers
 from loopline.gateway.core.arrivals import Arrivals
 from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.limits import check_count
 from loopline.gateway.core.openapi_docs import route_docs
+from loopline.gateway.core.recent_requests import ANSWERS, Answer
 from loopline.gateway.core.results import Results
 from loopline.gateway.core.route_spec import declare
 from loopline.gateway.core.submit import fresh_group, request_id
@@ -108,6 +110,8 @@ async def relay(request: Request):
         raise
     if isinstance(first, ResultItem) and not first.streamed:
         await events.close()
+        ANSWERS.add(Answer(time.time(), request.url.path, str(model or route.model), route.adapter,
+                           first.adapter_step, first.replica, first.status, owner_of(request)))
         # A Response, not a dict: the body is vLLM's JSON text already.
         return Response(first.text(), status_code=first.status, media_type=first.media_type)
     return StreamingResponse(_relay_stream(events, first), media_type=SSE,

@@ -166,11 +166,14 @@ class OwnJobs:
         self.known: dict[str, bool] = {}
 
     async def owns(self, event: JobEvent) -> bool:
-        owned = self.known.get(event.job_hash)
+        return await self.owns_job(event.job_hash)
+
+    async def owns_job(self, job_hash: str) -> bool:
+        owned = self.known.get(job_hash)
         if owned is None:
             try:
-                owned = await self.trainer.find(event.job_hash, self.tenant) is not None
+                owned = await self.trainer.find(job_hash, self.tenant) is not None
             except ApiError:  # trainer down or slow: leave the event out, ask again at the next
                 return False
-            self.known[event.job_hash] = owned
+            self.known[job_hash] = owned
         return owned

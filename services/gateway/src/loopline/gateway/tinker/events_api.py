@@ -137,13 +137,17 @@ class OwnRuns:
         self.known: dict[str, bool] = {}
 
     async def keep(self, event: SessionEvent) -> bool:
-        if self.tenant is None or event.model_id is None:
+        return await self.sees_run(event.model_id)
+
+    async def sees_run(self, model_id: str | None) -> bool:
+        """Whether the tenant sees an event of run ``model_id`` (None: the worker's own event)."""
+        if self.tenant is None or model_id is None:
             return True
-        seen = self.known.get(event.model_id)
+        seen = self.known.get(model_id)
         if seen is None:
             try:
-                model = await self.gateway.tinker.store.model(event.model_id)
+                model = await self.gateway.tinker.store.model(model_id)
             except Exception:  # noqa: BLE001 - NATS slow: leave the event out, ask at the next
                 return False
-            seen = self.known[event.model_id] = model is not None and sees(self.tenant, model.owner)
+            seen = self.known[model_id] = model is not None and sees(self.tenant, model.owner)
         return seen

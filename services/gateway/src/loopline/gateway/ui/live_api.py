@@ -1,0 +1,87 @@
+"""``/ui/live``: one server-sent event stream per open dashboard page. It renders the page's
+sections again whenever an event arrives on EVENTS (a step, a checkpoint, an adapter loaded) and
+at least every ``LOOPLINE_UI_REFRESH_S``, and sends the ones that changed as one ``sections``
+message (``{"<section id>": "<html>"}``); live.js puts them in place.
+
+It holds a stream slot of the key's (``@held_stream``, as every event stream), so a page cannot
+open connections without bound; the browser's EventSource reconnects by itself after a cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+from prometheus_client import Gauge
+
+from loopline.gateway.auth.scopes import ANY_KEY, TRAINING
+from loopline.gateway.core.errors import ApiError
+from loopline.gateway.core.event_streams import KEEPALIVE_S, SSE_HEADERS, held_stream
+from loopline.gateway.core.route_spec import EVENT_STREAM, FIELDS, STREAMS, declare
+from loopline.gateway.gateway import Gateway, gateway_of
+from loopline.gateway.ui.pages import JobPage, Overview, Page, RunPage
+from loopline.gateway.ui.views import Viewer
+
+router = APIRouter(prefix="/ui")
+
+LIVE_PAGES = Gauge("loopline_gateway_live_pages", (
+    "Dashboard pages following this gateway now (one event stream each, /ui/live)."))
+# A burst of events (a job's steps, a save) is drawn once: this long after the first.
+COALESCE_S = 0.2
+# How long the browser waits before it reconnects a cut stream.
+RETRY_MS = 3000
+
+
+@router.get("/live", **declare(ANY_KEY, {403: "a job or run page needs the training scope",
+                                         404: "no such job or run", 422: FIELDS, 429: STREAMS},
+                               media_type=EVENT_STREAM))
+@held_stream
+async def live(request: Request, page: str = Query(pattern="^(overview|job|run)$"),
+               id: str = Query("", max_length=200)) -> StreamingResponse:
+    gateway = gateway_of(request)
+    state = await _page(gateway, Viewer.of(request), page, id)
+    return StreamingResponse(_follow(gateway, state), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _page(gateway: Gateway, viewer: Viewer, page: str, ident: str) -> Page:
+    if page == "overview":
+        return Overview(gateway, viewer)
+    if not viewer.can(TRAINING):
+        raise ApiError(403, "a job or run page needs a key with the training scope", type="permission_error")
+    if page == "job":
+        return JobPage(gateway, viewer, await gateway.trainer.get(ident, viewer.tenant))
+    return RunPage(gateway, viewer, await gateway.tinker.model(ident, viewer.tenant))
+
+
+async def _follow(gateway: Gateway, state: Page) -> AsyncIterator[str]:
+    feeds = gateway.ui
+    sent: dict[str, str] = {}
+    version = feeds.events.version
+    quiet_since = time.monotonic()
+    LIVE_PAGES.inc()
+    # Invariant: after each pass the browser holds exactly ``sent``, the newest rendering of every
+    # section; a pass starts at the next event or after refresh_s, whichever is first.
+    try:
+        yield f"retry: {RETRY_MS}\n\n"
+        while True:
+            sections = await state.sections()
+            changed = {name: html for name, html in sections.items() if sent.get(name) != html}
+            if changed:
+                sent.update(changed)
+                quiet_since = time.monotonic()
+                yield f"event: sections\ndata: {json.dumps(changed)}\n\n"
+            elif time.monotonic() - quiet_since >= KEEPALIVE_S:
+                quiet_since = time.monotonic()
+                yield ": keepalive\n\n"
+            seen = version
+            version = await feeds.events.wait_past(version, feeds.refresh_s)
+            if version != seen:
+                await asyncio.sleep(COALESCE_S)
+                version = feeds.events.version
+    finally:
+        LIVE_PAGES.dec()
+        await state.close()
