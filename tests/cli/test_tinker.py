@@ -17,6 +17,7 @@ from loopline.common.contracts.tinker_schemas import SessionEvent
 from loopline.common.local import launcher
 from support import tinker_records as records
 from support.gateway_process import start_gateway
+from support.session_events import session_events
 from support.tinker_records import TinkerBus
 
 
@@ -148,3 +149,22 @@ def test_plot_names_the_keys_a_file_has(cli, refused_url, tmp_path):
     assert result.exit_code == 2 and "its metrics: loss" in result.stderr and "--key" in result.stderr
     nothing = cli("tinker", "plot", str(tmp_path / "absent.jsonl"), url=refused_url)
     assert nothing.exit_code == 2 and "cannot read" in nothing.stderr and "log_path" in nothing.stderr
+
+
+def test_metrics_sends_a_cookbook_runs_metrics_to_its_run(cli, nats_proc, tinker, tmp_path):
+    s, w = records.session(), records.worker()
+    run = records.model(s, w, 0)
+    tinker.put(s, w, run)
+    rows = [{"step": n, "env/all/reward/total": 0.25 * n, "train_mean_nll": 2.0 - n, "optim/lr": 3e-4}
+            for n in range(3)]
+    metrics = _metrics(tmp_path / "metrics.jsonl", rows)
+    keys = ("-k", "env/all/reward/total", "-k", "optim/lr")
+    result = cli("tinker", "metrics", run.model_id, str(metrics), *keys)
+    assert result.exit_code == 0, result.output
+    assert "posted 3 step(s)" in result.stdout
+    assert "step 2: env/all/reward/total 0.5, optim/lr 0.0003" in result.stdout
+    posted = [e for e in session_events(nats_proc.info["url"], run.model_id) if e.kind == "metrics"]
+    assert [(e.step, e.metrics) for e in posted] == [
+        (n, {"env/all/reward/total": 0.25 * n, "optim/lr": 3e-4}) for n in range(3)]
+    unknown = cli("tinker", "metrics", f"{'e' * 32}:train:0", str(metrics))
+    assert unknown.exit_code == 2 and "loopline tinker runs" in unknown.stderr

@@ -35,6 +35,8 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
          "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--mute-audio",
          "--remote-debugging-pipe")
 INSTALL = "scripts/browser/install.sh (`make browser`; `make test` runs it)"
+# Where tests write what a page looked like (git-ignored: .loopline/), for a person to look at.
+SCREENSHOTS = Path(__file__).resolve().parents[2] / ".loopline" / "screenshots"
 
 
 def chromium_path() -> str | None:
@@ -213,6 +215,14 @@ class Page:
                 return value
             time.sleep(every_s)
         raise BrowserError(f"{expression[:120]!r} still {value!r} after {timeout_s} s")
+
+    def record_changes(self, element_id: str, value: str, name: str = "seen") -> None:
+        """From now on, each time anything under ``#element_id`` changes, push ``value`` (a script
+        expression) onto ``window[name]``: what a live page showed, update by update."""
+        store = f"window[{json.dumps(name)}]"
+        target = f"document.getElementById({json.dumps(element_id)})"
+        self.evaluate(f"{store} = []; new MutationObserver(() => {store}.push({value}))"
+                      f".observe({target}, {{childList: true, subtree: true}})")
 
     def viewport(self, width: int, height: int, *, mobile: bool = False) -> None:
         """Lay the page out as a window (``mobile``: a phone's) of this many CSS pixels."""

@@ -235,6 +235,12 @@ class Gateway:
         return self._json("GET", f"/api/v1/training_runs/{run_id}/checkpoints",
                           missing=missing)["checkpoints"]
 
+    def post_run_metrics(self, run_id: str, step: int | None, metrics: dict[str, float]) -> None:
+        """Report a run's metrics at ``step`` (``/v1/tinker/runs/{run}/metrics``), for the dashboard."""
+        body: dict[str, Any] = {"metrics": metrics, **({} if step is None else {"step": step})}
+        self._json("POST", f"/v1/tinker/runs/{run_id}/metrics", json=body,
+                   missing=Missing(f"training run {run_id}", RUNS_HINT))
+
     def tinker_sessions(self, limit: int) -> list[str]:
         """Session ids, newest first."""
         return self._json("GET", "/api/v1/sessions", params={"limit": limit})["sessions"]

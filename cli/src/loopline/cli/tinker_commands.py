@@ -18,6 +18,7 @@ from loopline.cli import plot as plotting
 from loopline.cli.client import EXIT_USER, CliError
 from loopline.cli.console import err, gateway, handles_errors, out
 from loopline.cli.tinker_follow import follow_sessions
+from loopline.cli.tinker_metrics import post_metrics
 
 app = typer.Typer(help="Tinker API sessions: runs, checkpoints, live events, cookbook metrics.",
                   no_args_is_help=True)
@@ -151,3 +152,18 @@ def plot(metrics: Path = typer.Argument(..., help="a tinker-cookbook metrics.jso
     folder = metrics if metrics.is_dir() else metrics.resolve().parent
     plotting.render_metrics(out_path, series, x_label, f"{folder.name} — {plotting.METRICS_FILE}")
     out.print(f"wrote {escape(str(out_path))}")
+
+
+@app.command()
+@handles_errors
+def metrics(ctx: typer.Context, run_id: str = typer.Argument(..., help="the training run the metrics are of"),
+            metrics_file: Path = typer.Argument(..., help="a tinker-cookbook metrics.jsonl, or its log_path"),
+            key: list[str] = KEYS,
+            follow: bool = typer.Option(False, "--follow", "-f", help="keep posting new steps until Ctrl-C")):
+    """Send a cookbook run's metrics to the gateway, each step once, for the dashboard's curves
+    (/ui/runs/<run>)."""
+    try:
+        posted = post_metrics(gateway(ctx), out, run_id, metrics_file, key, follow)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    out.print(f"posted {posted} step(s) to run {escape(run_id)}")

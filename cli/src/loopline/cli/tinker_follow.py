@@ -28,12 +28,20 @@ def describe(event: dict[str, Any]) -> str:
     who = f"run {run}" if run else f"worker {event.get('worker_id', '?')}"
     parts = [f"step {event['step']}" if event.get("step") is not None else "",
              f"loss {event['loss']:.4f}" if isinstance(event.get("loss"), (int, float)) else "",
-             _staleness(event), str(event.get("path") or ""),
+             _staleness(event), _metrics(event), str(event.get("path") or ""),
              str(event.get("base_model") or "") if kind == "created" else "",
              str(event.get("detail") or "")]
     colour = {"failed": "red", "released": "yellow", "saved": "green", "created": "cyan"}.get(kind)
     label = f"[{colour}]{kind:<8}[/]" if colour else f"{kind:<8}"
     return f"{when} {label} {escape(who)}  " + escape("  ".join(p for p in parts if p))
+
+
+def _metrics(event: dict[str, Any]) -> str:
+    """A "metrics" event's figures, as its client reported them."""
+    figures = event.get("metrics") or {}
+    if not isinstance(figures, dict):
+        return ""
+    return ", ".join(f"{k} {v:.4g}" for k, v in sorted(figures.items()) if isinstance(v, (int, float)))
 
 
 def _staleness(event: dict[str, Any]) -> str:

@@ -88,7 +88,7 @@ def svg(curve: Curve, *, title: str, x_label: str = "step") -> Markup:
         parts.append(f'<line class="grid" x1="{PAD_LEFT}" x2="{WIDTH - PAD_RIGHT}" y1="{y:.1f}" '
                      f'y2="{y:.1f}"/><text class="tick" x="{PAD_LEFT - 6}" y="{y + 4:.1f}" '
                      f'text-anchor="end">{_label(tick)}</text>')
-    for tick in _ticks(x0, x1):
+    for tick in sorted({round(t) for t in _ticks(x0, x1)}):  # steps: whole numbers, each once
         parts.append(f'<text class="tick" x="{sx(tick):.1f}" y="{HEIGHT - 8}" text-anchor="middle">'
                      f'{tick:.0f}</text>')
     line = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in curve.points)

@@ -1,6 +1,6 @@
 """What every dashboard page shows of the cluster, the same for every key: deployments and their
 replicas (each replica's own status answer: engine, requests in flight, the adapter versions it has
-loaded), the queue's figures with live rates, and this gateway's serving latency.
+loaded) and the queue's figures with live rates.
 
 Read at most once per ``refresh_s`` for all open pages together (``snapshot``): a gateway with a
 hundred pages open asks the replicas and the queue as often as with one.
@@ -20,7 +20,6 @@ from nats.aio.msg import Msg
 from loopline.common.contracts import subjects
 from loopline.common.contracts.schemas import QueueMetrics, ServiceStatus
 from loopline.gateway.core.model_directory import ModelDirectory
-from loopline.gateway.core.recent_requests import RECENT, Percentiles
 from loopline.gateway.core.service_calls import ServiceCalls
 
 log = logging.getLogger(__name__)
@@ -68,7 +67,6 @@ class Cluster:
     deployments: list[Deployment]
     queue: QueueFigures | None
     queue_error: str | None
-    latency: Percentiles
     adapter_replicas: dict[str, dict[str, int]] = field(default_factory=dict)  # job -> replica -> step
 
 
@@ -112,8 +110,7 @@ class ClusterFeed:
                 0.0 if replicas else self.models.unserved_for(info)))
         for name, replicas in sorted(by_deployment.items()):  # answering, not in MODELS yet
             deployments.append(Deployment(name, replicas[0].model, 0, [], replicas, 0.0))
-        return Cluster(time.monotonic(), deployments, queue, queue_error, RECENT.percentiles(),
-                       adapter_replicas)
+        return Cluster(time.monotonic(), deployments, queue, queue_error, adapter_replicas)
 
     async def _replica_statuses(self) -> list[ServiceStatus]:
         """Every replica's status, from ``$SRV.STATS`` (which every instance answers, where the status

@@ -23,7 +23,7 @@ from loopline.gateway.auth.api_keys import api_key_of
 from loopline.gateway.auth.scopes import ADMIN, SCOPES, TRAINING, allows
 from loopline.gateway.auth.tenancy import sees, tenant_of
 from loopline.gateway.core.errors import ApiError
-from loopline.gateway.core.recent_requests import ANSWERS
+from loopline.gateway.core.recent_requests import ANSWERS, RECENT
 from loopline.gateway.gateway import Gateway
 from loopline.gateway.scalarlm.train_streams_api import OwnJobs
 from loopline.gateway.tinker.events_api import OwnRuns
@@ -152,7 +152,7 @@ def serving_section(cluster: Cluster, viewer: Viewer) -> dict[str, Any]:
                 "step": a.adapter_step, "replica": a.replica, "status": a.status}
                for a in reversed(ANSWERS.answers) if sees(viewer.tenant, a.owner)][:ANSWERS_SHOWN]
     return {"queue_allowed": viewer.can(ADMIN), "queue": cluster.queue, "queue_error": cluster.queue_error,
-            "latency": cluster.latency, "answers": answers}
+            "latency": RECENT.percentiles(), "answers": answers}
 
 
 # --- a training job -------------------------------------------------------------------------------
@@ -242,8 +242,12 @@ class RunHistory:
                 self.staleness.add(event.step, sum(k * n for k, n in event.staleness.items()) / max(total, 1))
         elif event.kind == "metrics" and event.metrics:
             step = event.step if event.step is not None else self.steps
-            for name, value in sorted(event.metrics.items())[:MAX_CHARTS]:
-                self.metrics.setdefault(name, Curve(name)).add(step, value)
+            for name, value in sorted(event.metrics.items()):
+                curve = self.metrics.get(name)
+                if curve is None and len(self.metrics) < MAX_CHARTS:  # the first names reported
+                    curve = self.metrics[name] = Curve(name)
+                if curve is not None:
+                    curve.add(step, value)
 
     async def close(self) -> None:
         if self._sub is not None:
