@@ -239,6 +239,9 @@ def test_the_stack_serves_with_each_service_under_its_own_credentials(tmp_path):
                                              {"content-type": "application/json"})
             answer = urllib.request.urlopen(request, timeout=120).read()
             assert b"chat.completion" in answer
+        # The dashboard reads every replica's status over $SRV.STATS and follows EVENTS.
+        page = urllib.request.urlopen(f"{stack.url}/ui", timeout=30).read().decode()
+        assert 'data-replica="r0"' in page and '<td class="ok">up</td>' in page, page[:3000]
     finally:
         stack.stop()
     nats_log = (stack.logs / "nats.log").read_text()

@@ -72,7 +72,14 @@ def test_a_job_and_a_tinker_run_on_the_dashboard_of_a_whole_stack(tinker_stack, 
         version = f'[data-adapter="{job}"][data-step="{LAST}"]'
         page.wait_for(f"!!document.querySelector('#cluster a.adapter{version}')")
         page.wait_for(f"!!document.querySelector('#serving tr.answer{version}')")
+        # The last events: the job's own among them, newest first.
+        page.wait_for("!!document.querySelector('#events li[data-kind=\"jobs.completed\"]')")
         page.screenshot(SHOTS / "overview-1280x800.png")
+        page.viewport(390, 844, mobile=True)
+        page.open(f"{tinker_stack.url}/ui")
+        assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
+        page.screenshot(SHOTS / "overview-390x844.png")
+        page.viewport(1280, 800)
 
         # A Tinker run: two steps, and the reward its client reports after each.
         client = service.create_lora_training_client(base_model=tiny, rank=4).result()

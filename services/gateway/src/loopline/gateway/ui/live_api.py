@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -27,6 +28,7 @@ from loopline.gateway.ui.pages import JobPage, Overview, Page, RunPage
 from loopline.gateway.ui.views import Viewer
 
 router = APIRouter(prefix="/ui")
+log = logging.getLogger(__name__)
 
 LIVE_PAGES = Gauge("loopline_gateway_live_pages", (
     "Dashboard pages following this gateway now (one event stream each, /ui/live)."))
@@ -68,7 +70,13 @@ async def _follow(gateway: Gateway, state: Page) -> AsyncIterator[str]:
     try:
         yield f"retry: {RETRY_MS}\n\n"
         while True:
-            sections = await state.sections()
+            try:
+                sections = await state.sections()
+            except Exception as exc:  # noqa: BLE001 - NATS or a service slow: say so, try again
+                log.info("a live page could not be brought up to date: %s", exc)
+                yield f"event: trouble\ndata: {json.dumps(_why(exc))}\n\n"
+                await asyncio.sleep(feeds.refresh_s)
+                continue
             changed = {name: html for name, html in sections.items() if sent.get(name) != html}
             if changed:
                 sent.update(changed)
@@ -85,3 +93,7 @@ async def _follow(gateway: Gateway, state: Page) -> AsyncIterator[str]:
     finally:
         LIVE_PAGES.dec()
         await state.close()
+
+
+def _why(exc: Exception) -> str:
+    return f"not up to date: {getattr(exc, 'message', None) or exc or type(exc).__name__}; retrying"

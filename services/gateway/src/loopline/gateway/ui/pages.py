@@ -47,7 +47,7 @@ class Overview:
         ui = self.gateway.ui
         cluster = await ui.cluster.snapshot()
         jobs = await views.jobs_section(self.gateway, self.viewer)
-        visible = None if self.viewer.tenant is None else {j["hash"] for j in jobs.get("jobs", [])}
+        visible = None if self.viewer.tenant is None else jobs.get("hashes", set())
         events = await views.recent_events(list(ui.events.events), self.visibility)
         return {
             "cluster": render("sections/cluster.html",

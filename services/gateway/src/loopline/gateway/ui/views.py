@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
 
 from loopline.common.contracts import subjects
 from loopline.common.contracts.job_schemas import JobInfo, LogsRequest, OwnerFilter
@@ -35,9 +37,9 @@ EVENTS_SHOWN = 30
 ANSWERS_SHOWN = 10
 LOG_TAIL = 40
 LOG_PAGE = 1000
-# A run's history is read from EVENTS once per open page; this many events at most (a page of a
-# run with more shows the newest curve points its Curve kept, see charts.py).
-RUN_HISTORY_MAX = 100_000
+# A run page reads its worker's events from EVENTS: the stored ones when it opens, then what came
+# since at each update; at most this many in one pass (a long history is read over a few).
+EVENTS_PER_PASS = 20_000
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,8 @@ async def jobs_section(gateway: Gateway, viewer: Viewer) -> dict[str, Any]:
         jobs = (await gateway.trainer.list(viewer.tenant)).jobs
     except ApiError as exc:
         return {"allowed": True, "error": exc.message, "jobs": []}
-    return {"allowed": True, "jobs": [job_row(gateway, job) for job in jobs[:50]], "total": len(jobs)}
+    return {"allowed": True, "jobs": [job_row(gateway, job) for job in jobs[:50]], "total": len(jobs),
+            "hashes": {job.job_hash for job in jobs}}
 
 
 def job_row(gateway: Gateway, job: JobInfo) -> dict[str, Any]:
@@ -207,20 +210,18 @@ class RunHistory:
     staleness: Curve = field(default_factory=lambda: Curve("samples' mean staleness"))
     learning_rate: Curve = field(default_factory=lambda: Curve("learning rate"))
     steps: int = 0
-    _sub: Any = None
-    _read: int = 0
+    _sub: JetStreamContext.PushSubscription | None = None
 
     async def catch_up(self, gateway: Gateway, wait_s: float = 0.3) -> None:
         if not self.model.worker_id:
             return
         if self._sub is None:
             self._sub = await gateway.trainer.follow_events(subjects.session_event(self.model.worker_id, "*"))
-        while self._read < RUN_HISTORY_MAX:
+        for _ in range(EVENTS_PER_PASS):
             try:
                 msg = await self._sub.next_msg(timeout=wait_s)
-            except Exception:  # noqa: BLE001 - nothing more stored (a timeout)
+            except NatsTimeoutError:  # nothing more stored, nothing new
                 return
-            self._read += 1
             try:
                 event = SessionEvent.model_validate_json(msg.data)
             except ValueError:

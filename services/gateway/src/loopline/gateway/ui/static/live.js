@@ -12,6 +12,7 @@
   say("connecting…");
   source.onopen = function () { say("live"); };
   source.onerror = function () { say("connection lost: reconnecting…"); };
+  source.addEventListener("trouble", function (message) { say(JSON.parse(message.data)); });
   source.addEventListener("sections", function (message) {
     var sections = JSON.parse(message.data);
     Object.keys(sections).forEach(function (id) {
