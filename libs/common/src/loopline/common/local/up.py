@@ -101,7 +101,8 @@ def main() -> int:
         print(f"starting Loopline with {served} (first start prepares the model into "
               f"{stack.models_dir}; logs in {stack.logs}) …", flush=True)
         stack.start()
-        print(f"\nLoopline is up: {stack.url}   (Ctrl-C stops everything)\n", flush=True)
+        print(f"\nLoopline is up: {stack.url}   dashboard: {stack.url}/ui   (Ctrl-C stops everything)\n",
+              flush=True)
         # Invariant: every process we started is alive or, an inference replica, about to be
         # started again (restarts.py); if another dies, report it and stop the rest.
         restarts = ReplicaRestarts(stack)

@@ -1,10 +1,10 @@
-"""This gateway's recent serving requests, for the dashboard: their latency, for live percentiles
-(ui/cluster_feed.py; Prometheus has the same requests as a histogram, http_metrics.LATENCY, whose
-buckets are too coarse for a percentile a person reads), and the answers of the newest, with the
-adapter version and replica that served each (``RecentAnswers``).
+"""This gateway's recent serving requests, for the dashboard (ui/views.py): their latency, for live
+percentiles (Prometheus has the same requests as a histogram, http_metrics.LATENCY, whose buckets
+are too coarse for a percentile a person reads), and the newest answers, with the adapter version
+and replica that served each (``RecentAnswers``).
 
-Bounded: the newest ``KEEP`` requests, so a gateway answering thousands a second holds a few
-hundred kilobytes and the percentiles cover the last moments, not the last minute.
+Bounded: the newest ``KEEP`` latencies, so a gateway answering thousands a second holds a few
+hundred kilobytes, and its percentiles then cover the last few seconds rather than the whole minute.
 """
 
 from __future__ import annotations
