@@ -21,8 +21,8 @@ from support.browser import SCREENSHOTS as SHOTS, Browser, require_chromium
 from support.tinker_data import token_rows_data
 
 # Long enough that the page sees it train (the tiny model takes a few milliseconds a step).
-RECIPE = {"max_steps": 300, "learning_rate": 1e-3, "batch_size": 3, "gradient_accumulation_steps": 1,
-          "steps_per_checkpoint": 150, "adapter_type": "lora"}
+RECIPE = {"max_steps": 150, "learning_rate": 1e-3, "batch_size": 3, "gradient_accumulation_steps": 1,
+          "steps_per_checkpoint": 75, "adapter_type": "lora"}
 LAST = str(RECIPE["max_steps"])
 REWARD = "env/all/reward/total"
 # The loss chart's point count, as a page shows it.
