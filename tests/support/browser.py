@@ -133,6 +133,23 @@ class Browser:
                 return event.get("params", {})
         return self._read_until(wanted, timeout_s, method).get("params", {})
 
+    def forget_events(self, method: str, *, session: str | None = None) -> None:
+        """Drop the events ``method`` (of ``session``) received and not waited for, and any that
+        have arrived unread."""
+        while True:  # read what Chromium has sent so far, without waiting
+            ready, _, _ = select.select([self._answers], [], [], 0)
+            if not ready:
+                break
+            chunk = os.read(self._answers, 1 << 16)
+            if not chunk:
+                break
+            self._buffer += chunk
+            while b"\0" in self._buffer:
+                raw, self._buffer = self._buffer.split(b"\0", 1)
+                self._events.append(json.loads(raw))
+        self._events = [e for e in self._events
+                        if not (e.get("method") == method and e.get("sessionId") == session)]
+
     def _read_until(self, done, timeout_s: float | None, what: str) -> dict[str, Any]:
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         # Invariant: _buffer holds the bytes after the last complete message read.
@@ -189,6 +206,9 @@ class Page:
     def open(self, url: str) -> None:
         """Go to ``url`` and wait until it has loaded (its scripts ran; what they started may not
         have finished: evaluate a promise they left to wait for it)."""
+        # A navigation the page made by itself (a form submitted, a redirect) left its own load
+        # events unread: drop them, or the wait below would return before this page has loaded.
+        self.browser.forget_events("Page.loadEventFired", session=self.session)
         navigated = self.call("Page.navigate", {"url": url})
         if navigated.get("errorText"):
             raise BrowserError(f"{url}: {navigated['errorText']}")

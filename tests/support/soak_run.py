@@ -1,5 +1,5 @@
 """The soak itself, shared by ``bench/soak.py`` (minutes to hours) and ``tests/e2e/test_soak.py``
-(a minute and a half): mixed load on a started ``LocalStack``, a fault every ``fault_every_s`` (``kill -9``
+(a minute and a quarter): mixed load on a started ``LocalStack``, a fault every ``fault_every_s`` (``kill -9``
 of a replica, the gateway, the queue, the trainer or the checkpoint-watcher and a fresh start of
 it; nats-server restarted on its data), samples at the start (after a warm-up), every
 ``sample_every_s`` and at the end (after the load drained), and the verdict.
