@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -53,11 +54,33 @@ class Proc:
             return ""
 
 
+# Ports a server is given are drawn from below the kernel's ephemeral range: the kernel's own pick
+# (bind to port 0) comes from that range, where every outgoing connection on the machine takes its
+# local port too, and one did take a test gateway's port between the pick and the gateway's bind
+# (CI, 2026-11-28: "address already in use"). Below it, only another explicit bind can collide.
+PICK_FROM = 20000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing is bound to at ``host`` now (the kernel's pick)."""
+    """A port nothing is bound to at ``host`` now, from below the ephemeral range where one can be
+    found (the kernel's pick otherwise)."""
+    low = _ephemeral_low()
+    if low - PICK_FROM >= 1000:
+        for _ in range(200):
+            port = random.randrange(PICK_FROM, low)
+            if port_free(host, port):
+                return port
     with socket.socket(_family(host)) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768 where unreadable)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def port_free(host: str, port: int) -> bool:
