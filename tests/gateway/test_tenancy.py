@@ -366,6 +366,21 @@ def test_another_training_keys_future_is_one_nobody_made(runs, a, b, boss):
     assert boss.post("/api/v1/retrieve_future", json={"request_id": runs["a"].future}).json()["error"] == "x"
 
 
+def test_get_info_names_a_tokenizer_the_client_can_load(runs, a, nats_proc, tmp_path):
+    """The SDK's get_tokenizer() loads get_info's tokenizer_id on the client's machine: by default
+    the model's name (a Hub id), not a folder of the gateway's machine; ``folder`` (make up) gives
+    the folder, for clients beside it."""
+    info = a.post("/api/v1/get_info", json={"model_id": runs["a"].run}).json()
+    assert info["model_data"] == {"model_name": records.BASE, "tokenizer_id": records.BASE}
+    beside = start_gateway(nats_proc.info["url"], tmp_path, LOOPLINE_TINKER_TOKENIZER_ID="folder")
+    try:
+        info = httpx.post(f"{beside.url}/api/v1/get_info", json={"model_id": runs["a"].run},
+                          timeout=30).json()
+    finally:
+        launcher.stop(beside.proc)
+    assert info["model_data"]["tokenizer_id"] == records.worker().model_path
+
+
 def test_without_keys_every_tinker_run_is_everyones(gateway, runs):
     with httpx.Client(base_url=gateway.url, timeout=30) as anyone:
         assert {runs["a"].run, runs["b"].run} <= run_ids(anyone)

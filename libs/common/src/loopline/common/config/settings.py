@@ -9,6 +9,7 @@ variables by upper-casing them: ``nats_url`` is ``LOOPLINE_NATS_URL``. Every fie
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, JsonValue, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -116,6 +117,14 @@ class GatewaySettings(CommonSettings):
     max_tinker_sessions_per_key: int = Field(default=10_000, ge=1, description=(
         "How many Tinker sessions and sampling sessions one API key (or one client address without "
         "keys) may create at one gateway within `LOOPLINE_TINKER_SESSIONS_MAX_AGE_S`; more get 429."))
+    # The SDK's get_tokenizer() runs AutoTokenizer.from_pretrained(tokenizer_id) on the client's
+    # machine: a folder of the gateway's machine only loads there (found by `make compose-test`:
+    # every remote client's get_tokenizer() failed on the container's path).
+    tinker_tokenizer_id: Literal["name", "folder"] = Field(default="name", description=(
+        "What Tinker's `get_info` gives as `tokenizer_id`, which the SDK's `get_tokenizer()` loads "
+        "on the client's machine: `name`, the model's name (a Hub id a client anywhere can load), or "
+        "`folder`, the prepared model's folder on this machine (no Hub needed, but only a client on "
+        "this machine can load it; `make up` sets it)."))
     max_streams_per_key: int = Field(default=16, ge=1, description=(
         "How many event streams (SSE: training events, logs) one API key, or one client address "
         "without keys, may hold open at once; one more gets 429."))

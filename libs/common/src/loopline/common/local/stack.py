@@ -180,7 +180,9 @@ class LocalStack:
         }
 
     def gateway_env(self) -> dict[str, str]:
-        return {**self.env(), "LOOPLINE_MODEL": self.default_model, **self.probe_env}
+        # The Tinker SDK's get_tokenizer() loads the model's folder: the clients are on this machine.
+        return {**self.env(), "LOOPLINE_MODEL": self.default_model, "LOOPLINE_TINKER_TOKENIZER_ID": "folder",
+                **self.probe_env}
 
     def replica_env(self, deployment: Deployment) -> dict[str, str]:
         return {**self.env(), "LOOPLINE_MODEL": deployment.model, **deployment.env}

@@ -170,10 +170,11 @@ async def _place(request: Request, model: TinkerModel, first: StepCall) -> Tinke
 async def get_info(request: Request) -> dict[str, Any]:
     raw = await json_object(request)
     model = await gateway_of(request).tinker.model(str(raw.get("model_id", "")), tenant_of(request))
+    by_folder = request.app.state.settings.tinker_tokenizer_id == "folder"
     return {"type": "get_info", "model_id": model.model_id, "is_lora": True, "lora_rank": model.lora.rank,
             "model_name": model.model_name,
-            # tokenizer_id: the folder, so the SDK's AutoTokenizer loads it without the Hub.
-            "model_data": {"model_name": model.model_name, "tokenizer_id": model.model_path}}
+            "model_data": {"model_name": model.model_name,
+                           "tokenizer_id": model.model_path if by_folder else model.model_name}}
 
 
 # --- training calls ------------------------------------------------------------------------------
