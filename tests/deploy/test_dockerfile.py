@@ -33,7 +33,10 @@ SCRIPTS = ROOT / "deploy"
 
 
 def test_hadolint_passes(tools):
-    out = tools.run(tools.hadolint, str(DOCKERFILE))
+    # With the local stand-ins `make compose-test` builds (base, NATS, PostgreSQL).
+    containerfiles = sorted((ROOT / "deploy/podman").glob("*/Containerfile"))
+    assert len(containerfiles) == 3, containerfiles
+    out = tools.run(tools.hadolint, str(DOCKERFILE), *map(str, containerfiles))
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -48,7 +51,8 @@ def test_hadolint_rejects_a_bad_dockerfile(tools, tmp_path):
 
 def test_shellcheck_passes(tools):
     scripts = [ROOT / "deploy/slurm/loopline-slurm", ROOT / "deploy/check.sh",
-               ROOT / "deploy/install-tools.sh", ROOT / "tests/deploy/slurm_containers.sh"]
+               ROOT / "deploy/install-tools.sh", ROOT / "tests/deploy/slurm_containers.sh",
+               ROOT / "deploy/podman/install.sh", ROOT / "deploy/podman/postgres/entrypoint.sh"]
     out = tools.run(tools.shellcheck, *map(str, scripts))
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -77,7 +81,10 @@ def _pip_installed_paths(stage_name: str) -> list[str]:
     for stage in stage_chain(STAGES, stage_name):
         for run in stage.args("RUN"):
             for match in re.finditer(r"pip install ([^&;]+)", run):
-                paths += [w.strip('"') for w in match.group(1).split() if not w.startswith("-")]
+                words = match.group(1).split()
+                # -c FILE: the constraints, not a package
+                paths += [w.strip('"') for i, w in enumerate(words)
+                          if not w.startswith("-") and (i == 0 or words[i - 1] != "-c")]
     return paths
 
 
@@ -149,3 +156,47 @@ def test_slurm_images_use_the_slurm_install_script_and_ship_no_munge_key(target)
     copies = [a for stage in stage_chain(STAGES, target) for a in stage.args("COPY")]
     assert any("scripts/slurm/install.sh" in c for c in copies)
     assert any("deploy/slurm/loopline-slurm" in c for c in copies)
+
+
+CONSTRAINTS = ROOT / "deploy/docker/light-constraints.txt"
+
+
+def _constraints() -> dict[str, str]:
+    pins = {}
+    for line in CONSTRAINTS.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[name.strip()] = version.strip()
+    return pins
+
+
+@pytest.mark.parametrize("target", LIGHT)
+def test_light_images_install_under_the_constraints(target):
+    stages = stage_chain(STAGES, f"{target}-build")
+    runs = [r for stage in stages for r in stage.args("RUN") if "pip install" in r]
+    assert runs and all("-c /src/constraints.txt" in r for r in runs), runs
+    copies = [a for stage in stages for a in stage.args("COPY")]
+    assert "deploy/docker/light-constraints.txt /src/constraints.txt" in copies
+
+
+def test_light_constraints_are_the_versions_make_test_runs():
+    """The light images pin what this project's environment (scripts/install.sh) resolved; when a
+    release moves it, the failure prints the lines to put in the file."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    pins = _constraints()
+    wrong = {}
+    for name, pinned in pins.items():
+        try:
+            have = version(name)
+        except PackageNotFoundError:
+            have = "(not installed)"
+        if have != pinned:
+            wrong[name] = have
+    assert not wrong, "deploy/docker/light-constraints.txt differs from the environment; use:\n" + \
+        "\n".join(f"{name}=={have}" for name, have in sorted(wrong.items()))
+    # Every direct requirement of the light packages is pinned (their own deps follow from these).
+    light = _local_closure(["/src/libs/common", *(f"/src/services/{t}" for t in LIGHT)])
+    named = {n.lower().replace("_", "-") for n in pins}
+    third_party = {n.replace("_", "-") for n in light if not n.startswith("loopline")}
+    assert third_party <= named, sorted(third_party - named)

@@ -132,7 +132,8 @@ def test_compose_gateway_starts_keyed_unless_opted_out(tools, monkeypatch, stack
 
 def test_the_gateway_image_carries_the_script():
     gateway = dockerfile_stages(DOCKERFILE.read_text())["gateway"]
-    copy = "--chmod=0755 deploy/docker/gateway_keys.py /usr/local/bin/loopline-gateway-keys"
+    # No --chmod (BuildKit's): the file is 0755 in git, and COPY keeps that.
+    copy = "deploy/docker/gateway_keys.py /usr/local/bin/loopline-gateway-keys"
     assert copy in gateway.args("COPY")
     # The volume's folder: a new named volume takes its owner (the gateway's uid) and mode.
     folder = f"install -d -o loopline -g loopline -m 0700 {KEYS_MOUNT}"
