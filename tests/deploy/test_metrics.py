@@ -80,7 +80,7 @@ def test_every_loopline_pod_serves_metrics_where_its_annotations_say(charts, mon
         assert annotations["prometheus.io/port"] == str(port), workload
         assert annotations["prometheus.io/path"] == metrics.PATH, workload
     expected = {f"demo-loopline-{c}" for c in LOOPLINE}
-    if name == "chart-gpu":
+    if name != "chart-defaults":
         expected.add("demo-loopline-inference-embed")  # every deployment of inference.deployments
     assert served == expected
 

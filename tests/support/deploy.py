@@ -21,10 +21,11 @@ COMPOSE_GPU = ROOT / "deploy" / "compose" / "docker-compose.gpu.yml"
 CHART = ROOT / "deploy" / "helm" / "loopline"
 CHECK_CHART = ROOT / "deploy" / "helm" / "check_chart.py"
 GPU_VALUES = CHART / "ci" / "gpu-values.yaml"
+PRODUCTION_VALUES = CHART / "ci" / "production-values.yaml"
 
 # The two compose stacks and the two chart renderings every env/shape test looks at.
 COMPOSE_STACKS = {"compose": [COMPOSE], "compose+gpu": [COMPOSE, COMPOSE_GPU]}
-CHART_VALUES = {"chart-defaults": [], "chart-gpu": [GPU_VALUES]}
+CHART_VALUES = {"chart-defaults": [], "chart-gpu": [GPU_VALUES], "chart-production": [PRODUCTION_VALUES]}
 
 
 @dataclass(frozen=True)
