@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install slurm browser up lint typecheck test test-fast bench tiny-model clean docs
+.PHONY: install slurm browser up lint typecheck test test-fast compose-test bench tiny-model clean docs
 
 install:
 	@scripts/install.sh
@@ -34,9 +34,15 @@ test: install slurm browser lint typecheck
 
 # The edit loop: every test but the slow tiers (tests/support/tiers.py; README "Tests"), in a few
 # minutes; no Slurm install, lint or type check. CI runs `make test`.
-FAST := not (stack or slurm or chaos or soak or slow or smollm2 or postgres)
+FAST := not (stack or slurm or chaos or soak or slow or smollm2 or postgres or compose)
 test-fast: install
 	@$(PY) -m pytest -m "$(FAST)" $(PYTEST_ARGS)
+
+# docker-compose.yml for real: every image built with podman from Debian's packages (no registry),
+# the stack up, a request served, a job trained, down and up again (tests/compose; root for podman;
+# about 30 minutes the first time). Not part of `make test`.
+compose-test: install
+	@$(PY) -m pytest -m compose -s -p no:cacheprovider tests/compose $(PYTEST_ARGS)
 
 bench: install
 	@$(PY) bench/serving.py

@@ -14,7 +14,7 @@ from support.gateway_process import start_gateway
 from support.nats import nats_server as _nats_server
 from support.postgres import postgres_server
 from support.slurm import slurm_available, slurm_cluster as _slurm_cluster
-from support.tiers import mark_tiers
+from support.tiers import leave_out_compose, mark_tiers
 
 
 @pytest.fixture
@@ -75,6 +75,7 @@ def slurm():
 
 def pytest_collection_modifyitems(config, items):
     mark_tiers(items)
+    leave_out_compose(config, items)
     # The model families' stack (six engines at its peak) first: in `make test` its lane then runs it
     # while the other lane has started few of the stacks it keeps to the end. Run later, beside
     # them, it took the last of the memory and the kernel killed one of their engines.

@@ -6,9 +6,12 @@ README "Tests"):
 - ``slurm``: the private Slurm cluster (the ``slurm`` fixture, or a ``launcher_kind`` of slurm);
 - ``chaos`` and ``soak``: processes killed at random under load, and the soak run;
 - ``slow``: a test that takes long on its own (marked by hand where it is written);
-- ``smollm2`` and ``postgres``: the real SmolLM2 model, a PostgreSQL server (marked where written).
+- ``smollm2`` and ``postgres``: the real SmolLM2 model, a PostgreSQL server (marked where written);
+- ``compose``: tests/compose, docker-compose.yml built and run on podman (``make compose-test``).
 
-``make test-fast`` deselects all of them; ``make test`` (CI) runs everything, in two lanes (LANES).
+``make test-fast`` deselects all of them; ``make test`` (CI) runs everything but ``compose``, in two
+lanes (LANES). ``compose`` runs only when asked for by name (``-m compose``): it builds every image
+(minutes, gigabytes) and needs root for podman, so a plain ``pytest`` leaves it out too.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
 # Every marker that puts a test outside the fast tier.
-SLOW_TIERS = ("stack", "slurm", "chaos", "soak", "slow", "smollm2", "postgres")
+SLOW_TIERS = ("stack", "slurm", "chaos", "soak", "slow", "smollm2", "postgres", "compose")
 # `make test` runs two pytest processes at once (scripts/test_lanes.py): the tests that start whole
 # stacks or daemons, and everything else (the fast tier, `slow` and `postgres`: tests of one
 # process or function, waiting much of their time).
@@ -29,7 +32,8 @@ STACK_TIERS = ("stack", "slurm", "chaos", "soak", "smollm2")
 # longer one (1287 s against 854 s at c9b5916; 1389 s against 1128 s at 7d88831).
 _STACKS = " or ".join(STACK_TIERS)
 _MOVED = "recipes or families"
-LANES = {"stacks": f"({_STACKS}) and not ({_MOVED})", "in-process": f"not ({_STACKS}) or {_MOVED}"}
+LANES = {"stacks": f"({_STACKS}) and not ({_MOVED}) and not compose",
+         "in-process": f"(not ({_STACKS}) or {_MOVED}) and not compose"}
 
 
 def mark_tiers(items: list[pytest.Item]) -> None:
@@ -38,6 +42,8 @@ def mark_tiers(items: list[pytest.Item]) -> None:
         parts = path.relative_to(TESTS).parts if path.is_relative_to(TESTS) else ()
         if parts[:1] == ("e2e",):
             item.add_marker(pytest.mark.stack)
+        if parts[:1] == ("compose",):
+            item.add_marker(pytest.mark.compose)
         if path.name.startswith("test_chaos"):
             item.add_marker(pytest.mark.chaos)
         if path.name == "test_soak.py":
@@ -45,3 +51,18 @@ def mark_tiers(items: list[pytest.Item]) -> None:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "slurm" in getattr(item, "fixturenames", ()) or params.get("launcher_kind") == "slurm":
             item.add_marker(pytest.mark.slurm)
+
+
+def asked_for_compose(config: pytest.Config) -> bool:
+    """Whether this run's ``-m`` names the compose tier (the only way it runs)."""
+    return "compose" in (config.getoption("markexpr", "") or "").replace("not compose", "")
+
+
+def leave_out_compose(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the compose tier unless asked for (see the module's docstring)."""
+    if asked_for_compose(config):
+        return
+    left_out = [item for item in items if item.get_closest_marker("compose") is not None]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item.get_closest_marker("compose") is None]
