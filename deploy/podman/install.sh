@@ -19,16 +19,15 @@ if [ ${#need[@]} -gt 0 ]; then
     iptables catatonit mmdebstrap
 fi
 
-conf=/etc/containers/containers.conf
-if ! grep -q '^# loopline' "$conf" 2>/dev/null; then
-  $SUDO mkdir -p /etc/containers
-  $SUDO tee -a "$conf" >/dev/null <<'CONF'
-# loopline: deploy/podman/install.sh
+# A drop-in of its own (podman reads containers.conf.d after containers.conf), so an existing
+# containers.conf is left as it is; rewritten each time.
+$SUDO mkdir -p /etc/containers/containers.conf.d
+$SUDO tee /etc/containers/containers.conf.d/loopline.conf >/dev/null <<'CONF'
+# deploy/podman/install.sh (Loopline's make compose-test)
 [containers]
 default_ulimits = ["nofile=20000:20000", "nproc=20000:20000"]
 
 [engine]
 runtime = "runc"
 CONF
-fi
 podman --version
