@@ -40,7 +40,7 @@ test-fast: install
 
 # docker-compose.yml for real: every image built with podman from Debian's packages (no registry),
 # the stack up, a request served, a job trained, down and up again (tests/compose; root for podman;
-# about 30 minutes the first time). Not part of `make test`.
+# about 15 minutes the first time). Not part of `make test`.
 compose-test: install
 	@$(PY) -m pytest -m compose -s -p no:cacheprovider tests/compose $(PYTEST_ARGS)
 
