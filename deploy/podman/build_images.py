@@ -48,7 +48,7 @@ TORCH_WHEEL = "torch-2.13.0+cpu-*.whl"
 EXTRA_CERTS = Path("/usr/local/share/ca-certificates")
 
 
-def run(*cmd: str, quiet: bool = False) -> str:
+def run(*cmd: str) -> str:
     out = subprocess.run(cmd, check=False, text=True, capture_output=True)
     if out.returncode != 0:
         sys.exit(f"failed ({out.returncode}): {' '.join(cmd)}\n{out.stdout[-4000:]}{out.stderr[-4000:]}")
