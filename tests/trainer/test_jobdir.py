@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import stat
 import subprocess
 import tarfile
 
@@ -40,6 +41,37 @@ def test_code_is_unpacked_under_ml(tmp_path):
     jobdir.extract_code(tar, job, max_bytes=1000)
     assert (job / "ml/pkg/__init__.py").read_text() == "X = 1\n"
     assert (job / "ml/run.py").exists()
+
+
+def test_unpacked_code_keeps_no_owner_or_special_bits_from_the_archive(tmp_path):
+    """As root, tarfile's own extraction (without the "data" filter, which Debian bookworm's
+    Python 3.11.2 lacks) would chown to the archive's uid and keep a set-uid bit."""
+    tar = tmp_path / "code.tar"
+    setuid = entry("ml/tool")
+    setuid.mode, setuid.uid, setuid.gid, setuid.mtime = 0o4777, 0, 0, 1
+    shared = entry("ml/data.txt")
+    shared.mode, shared.uid, shared.gid = 0o666, 4242, 4242
+    make_tar(tar, [(setuid, b"#!/bin/sh\n"), (shared, b"d"), (entry("ml/sub", tarfile.DIRTYPE), b"")])
+    job = tmp_path / "job"
+    job.mkdir()
+    jobdir.extract_code(tar, job, max_bytes=1000)
+    me = (os.getuid(), os.getgid())
+    for name, mode in (("ml/tool", 0o755), ("ml/data.txt", 0o644), ("ml/sub", 0o755)):
+        info = (job / name).lstat()
+        assert stat.S_IMODE(info.st_mode) & ~0o022 == mode & ~0o022, (name, oct(info.st_mode))
+        assert not info.st_mode & (stat.S_ISUID | stat.S_ISGID | 0o002), (name, oct(info.st_mode))
+        assert (info.st_uid, info.st_gid) == me, name
+    assert (job / "ml/tool").lstat().st_mtime > 1
+
+
+def test_a_member_named_twice_is_refused(tmp_path):
+    tar = tmp_path / "code.tar"
+    make_tar(tar, [(entry("ml/a.py"), b"first"), (entry("ml/a.py"), b"second")])
+    job = tmp_path / "job"
+    job.mkdir()
+    with pytest.raises(InvalidRequest, match="cannot be unpacked"):
+        jobdir.extract_code(tar, job, max_bytes=1000)
+    assert (job / "ml/a.py").read_bytes() == b"first"
 
 
 @pytest.mark.parametrize("member", [
