@@ -7,6 +7,8 @@ Used by the training program to write checkpoints and by inference code to apply
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +71,15 @@ def write_adapter(out_dir: Path, config: dict[str, Any], tensors: dict[str, torc
     from safetensors.torch import save_file
 
     # contiguous() + clone: safetensors wants dense tensors that own their memory.
-    save_file({k: v.contiguous().clone() for k, v in tensors.items()}, str(out_dir / WEIGHTS_FILE),
+    weights = out_dir / WEIGHTS_FILE
+    save_file({k: v.contiguous().clone() for k, v in tensors.items()}, str(weights),
               metadata={"format": "pt"})
-    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    config_file = out_dir / CONFIG_FILE
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    # safetensors 0.8 creates its file 0600 whatever the umask; the checkpoint-watcher reads it as
+    # another user when a job runs as a uid of its own (group access to a 2750 job folder). As
+    # readable as the config file, i.e. as the umask says.
+    os.chmod(weights, stat.S_IMODE(config_file.stat().st_mode))
 
 
 def read_tensors(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
