@@ -5,6 +5,7 @@
 # munge key at /etc/munge-key, the job volume at /var/lib/loopline/jobs). Each runs
 # deploy/slurm/loopline-slurm as the images do, as the user the images use. Then the "trainer"
 # submits a job as uid 10001 and checks it ran on the compute node and wrote the job directory.
+# Then the compute node comes back with a new address, which the controller must learn.
 #
 #   slurm_containers.sh [GPUS]   GPUS > 0: the compute node gets that many stand-in /dev/nvidiaN
 #                                devices (the entrypoint finds them and offers them as gres/gpu),
@@ -133,6 +134,25 @@ grep -q "ran as 10001 on slurm-compute-0 in /var/lib/loopline/jobs/job-1" "$WORK
 # The compute image's HEALTHCHECK, run inside the compute "container".
 nsenter --target "$(pgrep -x slurmd | head -n 1)" --mount --uts "$ENTRY" health slurmd \
   || fail "loopline-slurm health slurmd failed on a healthy node"
+# The compute node comes back with a new address, as a container does after `docker compose down`
+# and `up`: its entrypoint must tell the controller, which keeps a dynamic node's first address.
+pkill -x slurmd
+for _ in $(seq 50); do pgrep -x slurmd > /dev/null || break; sleep 0.1; done
+sed -i 's/^127.0.0.1 slurmctld slurm-compute-0 trainer$/127.0.0.1 slurmctld trainer\n127.0.0.2 slurm-compute-0/' /etc/hosts
+container slurm-compute-0 "bash '$WORK/compute.sh'"
+addr=""
+for _ in $(seq 100); do
+  pid=$(pgrep -x slurmd | head -n 1 || true)
+  if [ -n "$pid" ]; then
+    addr=$(nsenter --target "$pid" --mount --uts scontrol show node slurm-compute-0 2>/dev/null \
+      | grep -o 'NodeAddr=[^ ]*' || true)
+    [ "$addr" = "NodeAddr=127.0.0.2" ] && break
+  fi
+  sleep 0.2
+done
+[ "$addr" = "NodeAddr=127.0.0.2" ] || fail "the controller still has $addr for the restarted node, not 127.0.0.2"
+grep -q "node slurm-compute-0 is now at 127.0.0.2" "$WORK/slurm-compute-0.log" \
+  || fail "the compute node's entrypoint did not give the controller its new address"
 if [ "$GPUS" -gt 0 ]; then
   grep -q "gres: gpu:$GPUS" "$WORK/trainer.log" || fail "the node does not offer gpu:$GPUS"
   for i in $(seq 0 $((GPUS - 1))); do
