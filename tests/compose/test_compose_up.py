@@ -2,7 +2,9 @@
 (deploy/podman/build_images.py), the whole stack run by the compose v2 binary on podman, and used as
 a user would through the gateway's published port: an OpenAI chat completion, a ScalarLM generate,
 a ScalarLM training job on the compose Slurm served by its hash, a Tinker forward_backward and
-sample; then ``down`` and ``up`` again, and everything earlier is still there.
+sample; then ``down`` and ``up`` again, with deploy/compose/docker-compose.user-code.yml this time,
+and everything earlier is still there; and a job that ships its own ml/ code runs as a uid of its
+own, which reads neither the munge key nor another job's folder, and is served like any other.
 
 ``make compose-test`` runs it (root: podman); ``make test`` does not (tier ``compose``: it builds
 images for minutes and runs the stack for more). It prints each step's time and every image's size.
@@ -16,12 +18,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from loopline.common.config.settings import TrainerSettings
+from loopline.common.contracts.job_env import parse_uid_range
 from loopline.common.local.launcher import free_port
 from loopline.ml.models.resolve import resolve_model
 from support.compose_stack import REPO, Compose, HealthChecks, compose_binary, podman_service
@@ -41,6 +46,31 @@ PAIRS = [("What is the capital of Loopland?", " Loopville."), ("Who trains the l
 TRAIN_PARAMS = {"max_steps": 6, "learning_rate": 5e-3, "batch_size": 2, "gradient_accumulation_steps": 1,
                 "steps_per_checkpoint": 6}
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED"}
+USER_CODE = REPO / "deploy" / "compose" / "docker-compose.user-code.yml"
+JOBS = "/var/lib/loopline/jobs"
+# A job's own ml/ code: ml/ is first on the training program's PYTHONPATH, so this sitecustomize runs
+# as its interpreter starts, as the job's uid. It records who it is and what it could reach into its
+# job folder, then lets the installed loopline.ml train as usual.
+PROBE = """
+import json, os
+job = os.environ.get("LOOPLINE_JOB_DIR")
+if job:
+    jobs = os.path.dirname(job)
+    seen = {{"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups()}}
+    def attempt(name, action):
+        try:
+            action()
+            seen[name] = "done"
+        except OSError as exc:
+            seen[name] = type(exc).__name__
+    attempt("read the munge key", lambda: open("/etc/munge-key/munge.key", "rb").read())
+    attempt("list another job's folder", lambda: os.listdir(os.path.join(jobs, {other!r})))
+    attempt("list the trainer's control folder", lambda: os.listdir(os.path.join(jobs, ".control")))
+    attempt("write the jobs folder", lambda: open(os.path.join(jobs, "planted"), "w").close())
+    seen["environ"] = dict(os.environ)
+    with open(os.path.join(job, "probe-%d.json" % os.getpid()), "w") as f:
+        f.write(json.dumps(seen) + "\\n")
+"""
 
 
 class Steps:
@@ -123,6 +153,19 @@ def first_key(compose: Compose) -> str:
     raise AssertionError(f"the gateway printed no key:\n{compose.logs('gateway')}")
 
 
+def train(http: httpx.Client, files: dict[str, bytes]) -> dict:
+    data = archive({"dataset.jsonlines": jsonlines([{"input": q, "output": a} for q, a in PAIRS]), **files})
+    resp = http.post("/v1/megatron/train", files={"file": ("dataset", data, "application/octet-stream")},
+                     data={"params": json.dumps(TRAIN_PARAMS)})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def uids(compose: Compose, states: dict[str, str]) -> dict[str, str]:
+    return {service: compose.run("exec", "-T", service, "id", "-u").stdout.strip()
+            for service, state in states.items() if state.startswith("running")}
+
+
 def wait_job(http: httpx.Client, job: str, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     status: dict = {}
@@ -167,10 +210,12 @@ def test_compose_up_serves_trains_and_keeps_its_state(compose: Compose, steps: S
             "slurmctld", "slurm-compute"} <= states.keys()
 
     # Every service runs as a user of its own but slurmd, which must start jobs as their owners.
-    users = {service: compose.run("exec", "-T", service, "id", "-u").stdout.strip()
-             for service, state in states.items() if state.startswith("running")}
+    users = uids(compose, states)
     print(f"uids: {json.dumps(users)}", flush=True)
     assert [service for service, uid in users.items() if uid == "0"] == ["slurm-compute"], users
+    # Whoever reads the munge key can forge a Slurm credential for root: root's, 0440, group 10002.
+    key = compose.run("exec", "-T", "slurm-compute", "stat", "-c", "%a %u %g", "/etc/munge-key/munge.key")
+    assert key.stdout.strip() == "440 0 10002", key.stdout
 
     url = gateway_url(compose)
     key = first_key(compose)
@@ -191,11 +236,7 @@ def test_compose_up_serves_trains_and_keeps_its_state(compose: Compose, steps: S
         assert all(isinstance(a, str) for a in base_answers) and any(base_answers), base_answers
 
     with steps("ScalarLM training job on the compose Slurm, served by its hash"):
-        data = archive({"dataset.jsonlines": jsonlines([{"input": q, "output": a} for q, a in PAIRS])})
-        resp = http.post("/v1/megatron/train", files={"file": ("dataset", data, "application/octet-stream")},
-                         data={"params": json.dumps(TRAIN_PARAMS)})
-        assert resp.status_code == 200, resp.text
-        job = resp.json()["job_status"]["model_name"]
+        job = train(http, {})["job_status"]["model_name"]
         status = wait_job(http, job, 900)
         assert status["job_status"]["status"] == "COMPLETED", status
         assert status["job_status"]["job_id"], "it ran through Slurm, so it has a Slurm job id"
@@ -205,6 +246,13 @@ def test_compose_up_serves_trains_and_keeps_its_state(compose: Compose, steps: S
         assert any(tuned), tuned
         served = oai.completions.create(model=job, prompt=PAIRS[0][0], max_tokens=12, temperature=0)
         assert served.choices[0].text == tuned[0]
+
+    # The base file runs no job's own code: its trainer (uid 10001) could not give it a uid of its own.
+    data = archive({"dataset.jsonlines": jsonlines([{"input": "a", "output": " b"}]),
+                    "ml/sitecustomize.py": b"print('mine')\n"})
+    refused = http.post("/v1/megatron/train", data={"params": json.dumps(TRAIN_PARAMS)},
+                        files={"file": ("dataset", data, "application/octet-stream")})
+    assert refused.status_code == 403 and "LOOPLINE_ALLOW_USER_CODE" in refused.text, refused.text
 
     with steps("Tinker forward_backward, optim_step and sample"):
         monkeypatch.setenv("TINKER_TELEMETRY", "0")
@@ -234,9 +282,13 @@ def test_compose_up_serves_trains_and_keeps_its_state(compose: Compose, steps: S
         compose.run("down", timeout_s=300)
         assert not [c for c in compose.containers() if c.get("State") == "running"]
 
-    with steps("docker compose up again"):
+    with steps("docker compose up again, with user code on (docker-compose.user-code.yml)"):
+        compose = replace(compose, overrides=(USER_CODE,))
         compose.run("up", "--detach", "--no-build", timeout_s=FIRST_UP_S)
-        compose.wait_healthy(FIRST_UP_S)
+        states = compose.wait_healthy(FIRST_UP_S)
+    users = uids(compose, states)
+    print(f"uids with user code on: {json.dumps(users)}", flush=True)
+    assert sorted(s for s, uid in users.items() if uid == "0") == ["slurm-compute", "trainer"], users
 
     with steps("everything earlier is still there"):
         # The key (api-keys volume), the job, its history and its adapter (postgres, jobs), the same
@@ -251,3 +303,31 @@ def test_compose_up_serves_trains_and_keeps_its_state(compose: Compose, steps: S
         run = http.get(f"/api/v1/training_runs/{run_id}", headers={"X-API-Key": key})
         assert run.status_code == 200, run.text
         assert run.json()["training_run_id"] == run_id
+
+    with steps("a job's own ml/ code, run as a uid of its own, served by its hash"):
+        reply = train(http, {"ml/sitecustomize.py": PROBE.format(other=job).encode()})
+        assert reply["job_config"]["ml_code"] == "shipped", reply["job_config"]
+        own = reply["job_status"]["model_name"]
+        status = wait_job(http, own, 900)
+        assert status["job_status"]["status"] == "COMPLETED", status
+        assert any(generate(http, [q for q, _ in PAIRS], model=own))
+    probes = compose.run("exec", "-T", "slurm-compute", "sh", "-c", f"cat {JOBS}/{own}/probe-*.json").stdout
+    seen = [json.loads(line) for line in probes.splitlines() if line.strip()]
+    print(f"what the job's code saw: {json.dumps([{**p, 'environ': sorted(p['environ'])} for p in seen])}",
+          flush=True)
+    # The stack's secrets (NATS and database passwords): none reached the job's environment.
+    passwords = [line.split("=", 1)[1] for line in compose.env_file.read_text().splitlines()
+                 if "PASSWORD" in line.split("=", 1)[0]]
+    assert passwords
+    first, count = parse_uid_range(TrainerSettings.model_fields["job_uid_range"].default)
+    assert seen, probes
+    for probe in seen:
+        assert first <= probe["uid"] < first + count and probe["gid"] == probe["uid"], probe
+        assert probe["groups"] == [], probe
+        assert probe["read the munge key"] == "PermissionError", probe
+        assert probe["list another job's folder"] == "PermissionError", probe
+        assert probe["list the trainer's control folder"] == "PermissionError", probe
+        assert probe["write the jobs folder"] == "PermissionError", probe
+        assert not [word for word in passwords if word in json.dumps(probe["environ"])], probe["environ"]
+    owner = compose.run("exec", "-T", "slurm-compute", "stat", "-c", "%u %g %a", f"{JOBS}/{own}")
+    assert owner.stdout.split() == [str(seen[0]["uid"]), "10001", "2750"], owner.stdout

@@ -28,6 +28,8 @@ COMPOSE_NATS_PASSWORDS = {nats_auth.password_variable(role): f"pw{role.replace('
                           for role in nats_permissions.ROLES}
 for _variable, _password in COMPOSE_NATS_PASSWORDS.items():
     os.environ.setdefault(_variable, _password)  # every `docker compose config` here needs them
+# The user-code override requires a database password of the operator's own.
+os.environ.setdefault("POSTGRES_PASSWORD", "pwpostgres0")
 
 
 @pytest.fixture(scope="session")

@@ -43,7 +43,10 @@ getent group loopline >/dev/null || groupadd --system --gid 10001 loopline
 getent passwd loopline >/dev/null || useradd --system --uid 10001 --gid 10001 --no-create-home loopline
 mkdir -p /etc/slurm /etc/munge-key
 cp "$REPO/deploy/slurm/slurm.conf" /etc/slurm/slurm.conf
-# The compose `munge-key` service.
+# The compose `munge-key` service; run again, as on every `up`, over a key an earlier version left
+# readable by all.
+"$ENTRY" genkey /etc/munge-key/munge.key
+chmod 0444 /etc/munge-key/munge.key
 "$ENTRY" genkey /etc/munge-key/munge.key
 mount -t tmpfs tmpfs /var/spool
 install -d -o slurm -g slurm /var/spool/slurmctld
@@ -56,9 +59,10 @@ container() {  # NAME: a new hostname and /run, like a container of the compose 
   unshare --mount --uts --fork bash -c "hostname $name; mount -t tmpfs tmpfs /run; $*" \
     > "$WORK/$name.log" 2>&1 &
 }
-# The controller image: slurm user, /run/munge and /run/slurm its own.
+# The controller image: slurm user, /run/munge and /run/slurm its own; compose's group_add gives
+# it the munge key's group.
 container slurmctld "install -d -o slurm -g slurm /run/munge /run/slurm;
-  exec setpriv --reuid=slurm --regid=slurm --init-groups '$ENTRY' slurmctld"
+  exec setpriv --reuid=slurm --regid=slurm --groups=10002 '$ENTRY' slurmctld"
 # The compute image: root. With GPUS, a private /dev that also holds stand-ins for the GPU device
 # files the NVIDIA runtime would put there (character devices, as the entrypoint requires).
 cat > "$WORK/compute.sh" <<'COMPUTE'
@@ -82,7 +86,8 @@ fail() {
   exit 1
 }
 
-# The trainer image: uid 10001 with its own munged, then Slurm's client commands.
+# The trainer image: uid 10001 with its own munged, then Slurm's client commands; with the munge
+# key's group, as compose's group_add gives it.
 cat > "$WORK/trainer.sh" <<'TRAINER'
 set -euo pipefail
 for _ in $(seq 60); do
@@ -101,6 +106,8 @@ mkdir -p /var/lib/loopline/jobs/job-1
 cat > /var/lib/loopline/jobs/job-1/entrypoint.sh <<'JOB'
 #!/bin/bash
 echo "ran as $(id -u) on $(hostname) in $PWD" > result.txt
+# Whoever reads the munge key can forge a credential for root: a job must not.
+if cat /etc/munge-key/munge.key > /dev/null 2>&1; then echo "munge key: read"; else echo "munge key: refused"; fi >> result.txt
 if [ -n "${SLURM_GPUS_PER_TASK:-}" ]; then
   srun bash -c 'echo "task $SLURM_PROCID gpu $CUDA_VISIBLE_DEVICES"' | sort >> result.txt
 fi
@@ -124,13 +131,16 @@ cat /var/lib/loopline/jobs/job-1/result.txt
 TRAINER
 unshare --mount --uts --fork bash -c "hostname trainer; mount -t tmpfs tmpfs /run;
   install -d -o 10001 -g 10001 /run/munge;
-  exec setpriv --reuid=10001 --regid=10001 --clear-groups '$ENTRY' run bash '$WORK/trainer.sh'" \
+  exec setpriv --reuid=10001 --regid=10001 --groups=10002 '$ENTRY' run bash '$WORK/trainer.sh'" \
   > "$WORK/trainer.log" 2>&1 || fail "the trainer's commands failed"
 grep -q "node: slurm-compute-0 idle" "$WORK/trainer.log" || fail "the compute node did not register"
 grep -q "COMPLETED" "$WORK/trainer.log" || fail "the job did not complete"
 grep -q "ran as 10001 on slurm-compute-0 in /var/lib/loopline/jobs/job-1" "$WORK/trainer.log" \
   || fail "the job did not run as 10001 on the compute node"
 [ "$(stat -c %u /var/lib/loopline/jobs)" = 10001 ] || fail "the jobs volume was not handed to 10001"
+grep -q "munge key: refused" "$WORK/trainer.log" || fail "a job could read the munge key"
+[ "$(stat -c '%a %u %g' /etc/munge-key/munge.key)" = "440 0 10002" ] \
+  || fail "the munge key is $(stat -c '%a %u %g' /etc/munge-key/munge.key), not 440 root:10002"
 # The compute image's HEALTHCHECK, run inside the compute "container".
 nsenter --target "$(pgrep -x slurmd | head -n 1)" --mount --uts "$ENTRY" health slurmd \
   || fail "loopline-slurm health slurmd failed on a healthy node"

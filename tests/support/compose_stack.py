@@ -103,21 +103,23 @@ class HealthChecks:
 
 @dataclass
 class Compose:
-    """One compose project of docker-compose.yml, driven by the compose binary."""
+    """One compose project of docker-compose.yml (and ``overrides``), driven by the compose binary."""
 
     binary: Path
     project: str
     env_file: Path
     docker_host: str
     env: dict[str, str] = field(default_factory=dict)
+    overrides: tuple[Path, ...] = ()
 
     def _env(self) -> dict[str, str]:
         return {**os.environ, **self.env, "DOCKER_HOST": self.docker_host, "COMPOSE_BAKE": "false",
                 "DOCKER_BUILDKIT": "0"}
 
     def run(self, *args: str, timeout_s: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
-        cmd = [str(self.binary), "-f", str(COMPOSE_FILE), "-p", self.project,
-               "--env-file", str(self.env_file), "--progress", "plain", *args]
+        files = [arg for path in (COMPOSE_FILE, *self.overrides) for arg in ("-f", str(path))]
+        cmd = [str(self.binary), *files, "-p", self.project, "--env-file", str(self.env_file),
+               "--progress", "plain", *args]
         done = subprocess.run(cmd, cwd=REPO, env=self._env(), text=True, capture_output=True,
                               timeout=timeout_s, check=False)
         if check and done.returncode != 0:

@@ -18,13 +18,15 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
 COMPOSE = ROOT / "docker-compose.yml"
 COMPOSE_GPU = ROOT / "deploy" / "compose" / "docker-compose.gpu.yml"
+COMPOSE_USER_CODE = ROOT / "deploy" / "compose" / "docker-compose.user-code.yml"
 CHART = ROOT / "deploy" / "helm" / "loopline"
 CHECK_CHART = ROOT / "deploy" / "helm" / "check_chart.py"
 GPU_VALUES = CHART / "ci" / "gpu-values.yaml"
 PRODUCTION_VALUES = CHART / "ci" / "production-values.yaml"
 
-# The two compose stacks and the two chart renderings every env/shape test looks at.
-COMPOSE_STACKS = {"compose": [COMPOSE], "compose+gpu": [COMPOSE, COMPOSE_GPU]}
+# The compose stacks and the chart renderings every env/shape test looks at.
+COMPOSE_STACKS = {"compose": [COMPOSE], "compose+gpu": [COMPOSE, COMPOSE_GPU],
+                  "compose+user-code": [COMPOSE, COMPOSE_USER_CODE]}
 CHART_VALUES = {"chart-defaults": [], "chart-gpu": [GPU_VALUES], "chart-production": [PRODUCTION_VALUES]}
 
 
