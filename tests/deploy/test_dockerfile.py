@@ -138,6 +138,13 @@ def test_torch_images_are_installed_by_the_ci_install_script():
         runs = " ".join(STAGES[stage].args("RUN"))
         assert "scripts/install.sh" in runs, f"{stage} does not run scripts/install.sh"
     assert "LOOPLINE_GPU=1" in " ".join(STAGES["python-gpu"].args("RUN"))
+    # torch and vLLM in a layer of their own, which only the script itself can invalidate.
+    for kind in ("cpu", "gpu"):
+        deps = STAGES[f"deps-{kind}"]
+        assert [a.split()[0] for i, a in deps.instructions if i == "COPY"] == ["scripts/install.sh"], kind
+        assert "LOOPLINE_THIRD_PARTY_ONLY=1" in " ".join(deps.args("RUN")), kind
+        assert f"deps-{kind}" in [st.name for st in stage_chain(STAGES, f"python-{kind}")], kind
+        assert "LOOPLINE_THIRD_PARTY_ONLY" not in " ".join(STAGES[f"python-{kind}"].args("RUN")), kind
     for target in ("inference-cpu", "inference-gpu", "trainer-cpu", "trainer-gpu",
                    "slurm-compute-cpu", "slurm-compute-gpu"):
         chain = [s.name for s in stage_chain(STAGES, target)]
