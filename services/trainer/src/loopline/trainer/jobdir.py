@@ -222,7 +222,7 @@ def _unpack_member(tar: tarfile.TarFile, member: tarfile.TarInfo, job_dir: Path)
     bits beyond "executable" and times are not kept (as root, ``extractall`` would give a file the
     uid and set-uid bit the archive names), and each file is created exclusively, following no
     link. (Python's "data" filter does this from 3.11.4; Debian bookworm's python3 is 3.11.2.)"""
-    path = job_dir.joinpath(*(p for p in PurePosixPath(member.name).parts if p != "."))
+    path = job_dir.joinpath(*_member_parts(member))
     if member.isdir():
         path.mkdir(mode=0o755, parents=True, exist_ok=True)
         return
@@ -236,6 +236,11 @@ def _unpack_member(tar: tarfile.TarFile, member: tarfile.TarInfo, job_dir: Path)
         shutil.copyfileobj(source, out)
 
 
+def _member_parts(member: tarfile.TarInfo) -> list[str]:
+    """A member's path inside the job directory, as parts ("./ml/x.py" is ml, x.py)."""
+    return [p for p in PurePosixPath(member.name).parts if p != "."]
+
+
 def _check_code_member(member: tarfile.TarInfo) -> None:
     name = member.name
     if member.issym() or member.islnk():
@@ -244,7 +249,7 @@ def _check_code_member(member: tarfile.TarInfo) -> None:
         raise InvalidRequest(f"code archive: {name!r} is not a regular file or directory")
     if name.startswith("/") or "\\" in name or "\x00" in name:
         raise InvalidRequest(f"code archive: {name!r} is an absolute or malformed path")
-    parts = [p for p in PurePosixPath(name).parts if p != "."]
+    parts = _member_parts(member)
     if ".." in parts:
         raise InvalidRequest(f"code archive: {name!r} points outside the job directory")
     if not parts or parts[0] != CODE_DIR:
