@@ -79,7 +79,7 @@ async def test_a_full_fine_tunes_answers_come_through_as_vllms_do(tmp_path):
             return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=slow_events())
         raise httpx.ConnectError("the engine is gone")
 
-    model = FullWeightsModel("v", [], tmp_path / "log")
+    model = FullWeightsModel("v", [], tmp_path / "log", start_timeout_s=60)
     model.http = httpx.AsyncClient(base_url="http://child", transport=httpx.MockTransport(child))
     events: list[bytes] = []
 
@@ -113,3 +113,19 @@ def test_a_full_fine_tunes_engine_has_the_deployments_flags_without_lora():
     assert [f for f in flags if f.startswith("--") and f not in ("--model", "--served-model-name")] == \
         [f for f in deployment if f.startswith("--") and "lora" not in f and f not in (
             "--model", "--served-model-name", "--max-loras")]
+
+
+async def test_an_engine_slower_than_the_start_timeout_is_refused_and_stopped(tmp_path):
+    """The real child, given 1 s (vLLM's import alone takes longer): the load is refused with the
+    setting to raise in the message, and the child is gone, not left importing."""
+    import os
+
+    from loopline.inference.full_weights import FullWeightsModel
+    from loopline.inference.vllm_server import AdapterRejected
+
+    model = FullWeightsModel("v", ["--model", str(tmp_path / "none")], tmp_path / "log", start_timeout_s=1)
+    with pytest.raises(AdapterRejected, match=r"in 1 s .*LOOPLINE_FULL_WEIGHTS_START_TIMEOUT_S"):
+        await model.start()
+    assert model.proc is not None and model.proc.returncode is not None
+    with pytest.raises(ProcessLookupError):
+        os.kill(model.proc.pid, 0)

@@ -40,9 +40,6 @@ log = logging.getLogger(__name__)
 # Files of a model folder that are its weights: the checkpoint's replace them.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-# vLLM on CPU takes 15-40 s to import and build an engine for a tiny model on 2 busy cores.
-START_TIMEOUT_S = 300.0
-
 
 def model_folder(base: Path, checkpoint: Path, out: Path) -> Path:
     """``out`` as a model folder: the base model's files but its weights, linked, and the
@@ -64,10 +61,11 @@ def free_port() -> int:
 class FullWeightsModel:
     """One full fine-tune's version, served by a ``vllm serve`` child process on a local port."""
 
-    def __init__(self, name: str, flags: list[str], log_path: Path):
+    def __init__(self, name: str, flags: list[str], log_path: Path, *, start_timeout_s: float):
         self.lora_name = name  # the ``model`` requests name it by (what the worker writes in)
         self.flags = flags
         self.log_path = log_path
+        self.start_timeout_s = start_timeout_s  # InferenceSettings.full_weights_start_timeout_s
         self.port = free_port()
         self.proc: asyncio.subprocess.Process | None = None
         import httpx
@@ -76,7 +74,7 @@ class FullWeightsModel:
 
     async def start(self) -> None:
         """Start the child and wait until it answers /health; AdapterRejected (with the end of its
-        log) if it exits first or takes longer than START_TIMEOUT_S."""
+        log) if it exits first or takes longer than ``start_timeout_s``."""
         command = [sys.executable, "-m", __name__, *self.flags, "--host", "127.0.0.1", "--port",
                    str(self.port)]
         out = await asyncio.to_thread(open, self.log_path, "ab")
@@ -87,14 +85,15 @@ class FullWeightsModel:
             out.close()
         import httpx
 
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + self.start_timeout_s
         # Invariant: the child is alive and has not answered /health yet.
         while True:
             if self.proc.returncode is not None:
                 raise AdapterRejected(f"vLLM could not serve the full fine-tune: {self._log_tail()}")
             if time.monotonic() > deadline:
                 await self.stop()
-                raise AdapterRejected(f"vLLM did not start the full fine-tune in {START_TIMEOUT_S:.0f} s")
+                raise AdapterRejected(f"vLLM did not start the full fine-tune in {self.start_timeout_s:.0f} "
+                                      "s (LOOPLINE_FULL_WEIGHTS_START_TIMEOUT_S)")
             with contextlib.suppress(httpx.HTTPError):
                 if (await self.http.get("/health", timeout=2)).status_code == 200:
                     return

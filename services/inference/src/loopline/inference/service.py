@@ -79,7 +79,8 @@ async def run(rt: Runtime, settings: InferenceSettings) -> None:
     model_path = await asyncio.to_thread(prepare_model_folder, settings)
     layers = lora_modules(model_path) if settings.adapters else None
     server = VllmServer(flags_of(settings, model_path, layers),
-                        full_weights=functools.partial(full_weights_flags, settings))
+                        full_weights=functools.partial(full_weights_flags, settings),
+                        full_weights_start_timeout_s=settings.full_weights_start_timeout_s)
     rt.on_stop(server.stop)
     log.info("loading %s from %s", settings.name, model_path)
     await server.start()

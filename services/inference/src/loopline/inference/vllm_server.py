@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loopline.common.config.settings import InferenceSettings
 from loopline.inference.vllm_args import apply_cpu_env, on_cpu
 
 if TYPE_CHECKING:  # vLLM is imported when the server starts, not with this module
@@ -90,12 +91,17 @@ def _vllm_folder(checkpoint_dir: Path, config: dict[str, Any]) -> str:
     return path
 
 
+_FULL_WEIGHTS_START_TIMEOUT_S = InferenceSettings.model_fields["full_weights_start_timeout_s"].default
+
+
 class VllmServer:
-    def __init__(self, flags: list[str], full_weights: Callable[[str, str], list[str]] | None = None):
+    def __init__(self, flags: list[str], full_weights: Callable[[str, str], list[str]] | None = None,
+                 full_weights_start_timeout_s: float = _FULL_WEIGHTS_START_TIMEOUT_S):
         self.flags = flags  # vllm_args.serve_flags(...)
         # The flags of a full fine-tune's own engine, from its model folder and served name
         # (full_weights.py); None: full fine-tunes are refused.
         self.full_weights = full_weights
+        self.full_weights_start_timeout_s = full_weights_start_timeout_s
         self.llm: AsyncLLM | None = None  # start() makes it
         self.app: FastAPI | None = None
         self.max_model_len = 0
@@ -240,7 +246,8 @@ class VllmServer:
         folder = await asyncio.to_thread(model_folder, Path(self.llm.model_config.model), checkpoint_dir,
                                          checkpoint_dir.with_name(checkpoint_dir.name + "-model"))
         model = FullWeightsModel(name, self.full_weights(str(folder), name),
-                                 checkpoint_dir.with_name(checkpoint_dir.name + "-vllm.log"))
+                                 checkpoint_dir.with_name(checkpoint_dir.name + "-vllm.log"),
+                                 start_timeout_s=self.full_weights_start_timeout_s)
         self._children.add(model)
         try:
             await model.start()

@@ -247,6 +247,11 @@ class InferenceSettings(CommonSettings):
     # It sizes the buffers vLLM sets aside per adapter slot.
     max_adapter_rank: int = Field(default=64, ge=1, description=(
         "The largest adapter rank served (LoRA's `r`, a Tokenformer's `num_tokens`)."))
+    # Measured: a tiny mixture of experts' engine starts in 30-51 s on 2 idle cores and took over
+    # 300 s beside a busy test suite; a 70B model's weights alone take minutes to read.
+    full_weights_start_timeout_s: float = Field(default=900.0, gt=0, description=(
+        "How long a full fine-tune's own engine may take to start before its checkpoint is marked "
+        "not deployed (`deployment_error`)."))
 
     @field_validator("model")
     @classmethod
