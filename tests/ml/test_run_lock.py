@@ -4,12 +4,13 @@ and starts once that run is gone, even when it was killed with SIGKILL. Real pro
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-from loopline.common.contracts.job_layout import RUN_LOCK_FILE
+from loopline.common.contracts.job_layout import EVENTS_FILE, RUN_LOCK_FILE, STATUS_FILE
 
 HOLD = ("import fcntl, sys, time\n"
         "lock = open(sys.argv[1], 'ab'); fcntl.lockf(lock, fcntl.LOCK_EX)\n"
@@ -44,3 +45,23 @@ def test_a_second_run_waits_until_the_first_is_killed(tmp_path):
 def test_a_run_alone_does_not_wait(tmp_path):
     alone = subprocess.run([sys.executable, "-c", WAIT, str(tmp_path)], capture_output=True, timeout=30)
     assert alone.returncode == 0 and alone.stdout == b"running\n", alone.stderr[-2000:]
+
+
+def test_a_run_whose_job_the_run_before_completed_exits_without_a_word(tmp_path):
+    """The run before finished the job while this one waited (its node declared down, it trained on
+    to the end): the real program exits 0 and adds nothing to the job's files. A job left unfinished
+    is taken up (here it has no config, so it fails, saying so)."""
+    status = {"status": "COMPLETED", "step": 40, "max_steps": 40}
+    (tmp_path / STATUS_FILE).write_text(json.dumps(status))
+    (tmp_path / EVENTS_FILE).write_text('{"kind": "completed", "step": 40}\n')
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    program = [sys.executable, "-m", "loopline.ml.train", "--job-dir", str(tmp_path)]
+    done = subprocess.run(program, capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert b"the run before completed this job" in done.stderr
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != RUN_LOCK_FILE} == before
+
+    (tmp_path / STATUS_FILE).write_text(json.dumps({**status, "status": "TRAINING", "step": 12}))
+    taken_up = subprocess.run(program, capture_output=True, timeout=120)
+    assert taken_up.returncode == 1, taken_up.stderr[-2000:]
+    assert json.loads((tmp_path / EVENTS_FILE).read_text().splitlines()[-1])["kind"] == "failed"

@@ -10,8 +10,7 @@ Product code, so it cannot drift from what the real program does to the job dire
   - checkpoints published, pruned and found by ``checkpoint_folders`` (temp folder, rename into
     ``checkpoints/step-%08d``, keep the newest ``max_checkpoints_to_keep``, resume from the newest).
 Stand-in: ``run_standin`` in place of ``loop.run_job`` (its step is a sleep, its loss 1/(step+1), and
-its checkpoint files hold a line of JSON, not tensors), the exit statuses of the loop (loop.py's
-EXIT_COMPLETED and EXIT_PREEMPTED: importing it would import torch), and the switches below.
+its checkpoint files hold a line of JSON, not tensors), and the switches below.
 
 Params it reads, besides TrainParams' max_steps, steps_per_checkpoint, max_checkpoints_to_keep:
   standin_step_s   seconds per step (default 0.05)
@@ -42,10 +41,10 @@ from loopline.ml.train.checkpoint_folders import (
     publish_checkpoint,
     remove_leftovers,
 )
+from loopline.ml.train.exit_codes import EXIT_COMPLETED, EXIT_PREEMPTED
 from loopline.ml.train.status import JobReporter
 
 RUNS_FILE = "runs.txt"
-EXIT_COMPLETED, EXIT_PREEMPTED = 0, 143  # loop.py's, spelled here because loop.py imports torch
 
 
 def main() -> int:

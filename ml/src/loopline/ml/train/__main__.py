@@ -19,12 +19,13 @@ from typing import IO, TYPE_CHECKING
 
 from loopline.common.contracts.job_layout import RUN_LOCK_FILE
 
+from .exit_codes import EXIT_COMPLETED, EXIT_FAILED
+
 if TYPE_CHECKING:
     from loopline.common.contracts.train_params import JobConfig
 
     from .status import JobReporter
 
-EXIT_FAILED = 1
 
 
 # What a job's training is: (job_dir, config, reporter, stop_requested) -> exit status.
@@ -70,7 +71,15 @@ def run_program(job_dir: Path, run_job: RunJob | None = None) -> int:
     # Imported after the handler is in place: torch and transformers take seconds to import.
     from loopline.common.contracts.train_params import JobConfig
 
-    from .status import JobReporter
+    from .status import JobReporter, read_status
+
+    # The run before may have finished the job after all: its node was declared down, the trainer
+    # submitted this run, and the old program still trained to the end before anything stopped it
+    # (CI, stop 38: a second "started" and "completed" followed the first "completed"). Nothing is
+    # left to do, and a word more on the job's stream would be news that is not.
+    if (read_status(job_dir) or {}).get("status") == "COMPLETED":
+        log.info("the run before completed this job: nothing left to do")
+        return EXIT_COMPLETED
 
     if run_job is None:
         from .loop import run_job as training_loop

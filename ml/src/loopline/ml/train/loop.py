@@ -25,12 +25,11 @@ from loopline.ml.adapters import io as adapter_io
 
 from .checkpoint import latest_checkpoint, load_training_state, remove_leftovers, save_checkpoint
 from .data import IGNORE, Batch, DataCursor, ExampleStream, collate, read_rows, tokenize
+from .exit_codes import EXIT_COMPLETED, EXIT_PREEMPTED
 from .status import JobReporter
 
 log = logging.getLogger(__name__)
 
-EXIT_COMPLETED = 0
-EXIT_PREEMPTED = 143  # 128 + SIGTERM, what Slurm and shells expect from a job stopped by TERM
 STATE_FORMAT_VERSION = 1
 
 
