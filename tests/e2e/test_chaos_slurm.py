@@ -13,7 +13,10 @@ a run's random moments (test_chaos.py says more).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 from pathlib import Path
 
 import httpx
@@ -27,6 +30,7 @@ from support.chaos_jobs import (
     job_events,
     kill_a_training_process,
     progress_steps,
+    running_pids,
     train,
     wait_for,
     wait_job,
@@ -66,14 +70,22 @@ async def kill_a_daemon(stack, slurm, tiny, rng, daemon: str, max_steps: int = 1
                        f"step {kill_after}")
         await asyncio.sleep(rng.uniform(0.0, 0.5))
         await asyncio.to_thread(slurm.kill_daemon, daemon)
-        await asyncio.sleep(rng.uniform(1.0, 5.0))  # the trainer's squeue fails meanwhile
-        if until_node_down:
-            # What slurmctld does once slurmd has not answered for SlurmdTimeout (30 s here), without
-            # the wait: the node is down, its jobs NODE_FAIL, while their programs may still run.
-            await asyncio.to_thread(slurm.run, "scontrol", "update", "nodename=localhost", "state=down",
-                                    "reason=chaos: slurmd killed")
-        await asyncio.to_thread(slurm.start_daemon, daemon)
-        status = await wait_job(stack.url, job_hash)
+        # A node declared down is one whose program may still be running, not one that finished:
+        # held still (SIGSTOP) until Slurm stops it, the program cannot win the race to the end
+        # (CI, stop 38: it trained all 40 steps in the 1-5 s below, at 0.1 s a step).
+        frozen = freeze(job_dir) if until_node_down else []
+        try:
+            await asyncio.sleep(rng.uniform(1.0, 5.0))  # the trainer's squeue fails meanwhile
+            if until_node_down:
+                # What slurmctld does once slurmd has not answered for SlurmdTimeout (30 s here),
+                # without the wait: the node is down, its jobs NODE_FAIL, while their programs may
+                # still run.
+                await asyncio.to_thread(slurm.run, "scontrol", "update", "nodename=localhost", "state=down",
+                                        "reason=chaos: slurmd killed")
+            await asyncio.to_thread(slurm.start_daemon, daemon)
+            status = await wait_job(stack.url, job_hash)
+        finally:
+            thaw(frozen)  # what Slurm has not ended (a failure): no stopped process outlives the test
     stop.set()
     answers = await asyncio.wait_for(load, 240)
 
@@ -87,6 +99,20 @@ async def kill_a_daemon(stack, slurm, tiny, rng, daemon: str, max_steps: int = 1
         squeue = (await http.get("/v1/megatron/squeue")).json()
     assert squeue.get("error_message") is None, squeue
     return runs
+
+
+def freeze(job_dir: Path) -> list[int]:
+    """SIGSTOP the job's running training program; its pid."""
+    pids = running_pids(job_dir)
+    assert len(pids) == 1, pids
+    os.kill(pids[0], signal.SIGSTOP)
+    return pids
+
+
+def thaw(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
 
 
 def progress_steps_on_disk(job_dir: Path) -> list[int]:

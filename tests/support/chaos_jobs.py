@@ -235,7 +235,7 @@ def progress_steps(events: list[dict]) -> list[int]:
 
 
 async def kill_a_training_process(stack: LocalStack, model: str, rng: random.Random, *, launches: int,
-                                  max_steps: int = 12) -> None:
+                                  max_steps: int = 40, kill_by_step: int = 8) -> None:
     """Under a light OpenAI load, ``kill -9`` a job's training program (not the trainer) a random
     moment after a random step; the trainer launches it again, it resumes from its last checkpoint
     (one a step: at most one step lost) and completes; its events are each published once.
@@ -244,7 +244,10 @@ async def kill_a_training_process(stack: LocalStack, model: str, rng: random.Ran
     load = asyncio.create_task(openai_load(stack.url, stack.default_model, stop, max_tokens=16))
     job_hash = await train(stack, model, f"process {rng.random()}", max_steps)
     job_dir = stack.jobs_dir / job_hash
-    kill_after = rng.randint(2, max_steps - 4)
+    # Early, so that the job is still running up to 0.5 s later: a step takes 0.05-0.3 s, and with
+    # 12 steps, killed after step 8 or fewer, the program had finished before the kill once
+    # (2026-11-28, idle machine: one run, steps 1-12).
+    kill_after = rng.randint(2, kill_by_step)
     async with RunWatch(job_dir) as runs_at_once:
         await wait_for(lambda: max(checkpoint_steps(job_dir), default=0) >= kill_after, 180,
                        f"checkpoint {kill_after}")
