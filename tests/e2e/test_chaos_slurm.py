@@ -139,8 +139,8 @@ async def test_slurmd_killed_while_a_job_runs(slurm_stack, slurm, tiny, rng):
 
 
 async def test_slurmd_killed_and_its_node_declared_down(slurm_stack, slurm, tiny, rng):
-    # Killed early enough (by step 8 of 40, steps of 0.3 s at best) that the job is still running
-    # when the node is declared down 1-5 s later.
+    # The program, held still from slurmd's kill (kill_a_daemon), is still running when the node is
+    # declared down 1-5 s later, and has steps left (killed by step 8 of 40).
     runs = await kill_a_daemon(slurm_stack, slurm, tiny, rng, "slurmd", max_steps=40, until_node_down=True)
     # Slurm failed the job (NODE_FAIL) and the trainer submitted the next run at once, while the
     # first one's program still ran: the next one waited for it (ml/train's run lock), then resumed
