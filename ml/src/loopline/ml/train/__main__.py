@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from .status import JobReporter
 
 
-
 # What a job's training is: (job_dir, config, reporter, stop_requested) -> exit status.
 RunJob = Callable[[Path, "JobConfig", "JobReporter", Callable[[], bool]], int]
 

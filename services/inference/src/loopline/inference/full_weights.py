@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
+
 def model_folder(base: Path, checkpoint: Path, out: Path) -> Path:
     """``out`` as a model folder: the base model's files but its weights, linked, and the
     checkpoint's weights as ``model.safetensors`` (the checkpoint is the replica's own copy)."""
