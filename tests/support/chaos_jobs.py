@@ -244,7 +244,7 @@ async def kill_a_training_process(stack: LocalStack, model: str, rng: random.Ran
     load = asyncio.create_task(openai_load(stack.url, stack.default_model, stop, max_tokens=16))
     job_hash = await train(stack, model, f"process {rng.random()}", max_steps)
     job_dir = stack.jobs_dir / job_hash
-    # Early, so that the job is still running up to 0.5 s later: a step takes 0.05-0.3 s, and with
+    # Early, so that the job is still running up to 0.5 s later: a step takes 0.04-0.3 s, and with
     # 12 steps, killed after step 8 or fewer, the program had finished before the kill once
     # (2026-11-28, idle machine: one run, steps 1-12).
     kill_after = rng.randint(2, kill_by_step)
