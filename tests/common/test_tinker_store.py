@@ -1,8 +1,10 @@
 """The Tinker records' store on a real nats-server: listing leaves nothing behind on the server
-(the trainer lists the session workers every reconcile pass), and a checkpoint listing holds one
-run's checkpoints only."""
+(the trainer lists the session workers every reconcile pass), a checkpoint listing holds one
+run's checkpoints only, and a payload too big for a message comes back whole from the blob store."""
 
 from __future__ import annotations
+
+import os
 
 from loopline.common.contracts import subjects, tinker_names
 from loopline.common.contracts.tinker_schemas import TinkerCheckpoint, TinkerWorker
@@ -35,5 +37,22 @@ async def test_listing_leaves_no_consumers_and_filters_by_run(nats_url):
         for bucket in (subjects.TINKER_WORKERS_BUCKET, subjects.TINKER_CHECKPOINTS_BUCKET):
             info = await js.stream_info(f"KV_{bucket}")
             assert info.state.consumer_count == 0, bucket
+    finally:
+        await nc.close()
+
+
+async def test_a_payload_past_a_message_goes_through_the_blob_store(nats_url):
+    nc = await bus.connect(nats_url, "test-tinker-store")
+    try:
+        js = nc.jetstream()
+        await bus.ensure_topology(js)
+        store = TinkerStore(js, nc.max_payload)
+        await store.start()
+        small, big = b"s" * 100, os.urandom(store.max_inline + 300_000)
+        assert (await store.pack("small", small)).blob is None
+        packed = await store.pack("big", big)
+        assert packed.blob is not None and packed.size == len(big)
+        assert await store.unpack(await store.pack("small", small)) == small
+        assert await store.unpack(packed) == big
     finally:
         await nc.close()

@@ -12,8 +12,11 @@ import shutil
 import tarfile
 from pathlib import Path
 
-from loopline.common.contracts import adapter_format
+from nats.js import JetStreamContext
+
+from loopline.common.contracts import adapter_format, subjects
 from loopline.common.contracts.job_schemas import CheckpointAnnounce
+from loopline.common.runtime import objects
 
 ARCHIVE_NAME = "adapter.tar"
 # Where the two files land inside a version's folder; the engine may write beside it (vLLM's copy).
@@ -24,17 +27,14 @@ class BadArchive(ValueError):
     """The stored object is not what the announce says (wrong hash or size, other members)."""
 
 
-async def download(obs, announce: CheckpointAnnounce, folder: Path) -> Path:
-    """Write the object into ``folder/adapter.tar`` and check it against the announce.
-
-    ``writeinto`` streams the chunks to the file; without it nats-py grows one bytes object chunk
-    by chunk, which is quadratic in the object's size.
-    """
+async def download(js: JetStreamContext, announce: CheckpointAnnounce, folder: Path) -> Path:
+    """Write the object into ``folder/adapter.tar`` (streamed, chunk by chunk) and check it against
+    the announce."""
     folder.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - one mkdir
     path = folder / ARCHIVE_NAME
-    # nats-py writes each chunk into the file from the event loop as it arrives.
+    # Each chunk is written into the file from the event loop as it arrives.
     with open(path, "wb") as f:  # noqa: ASYNC230
-        await obs.get(announce.object_name, writeinto=f)
+        await objects.read_into(js, subjects.ADAPTERS_BUCKET, announce.object_name, f)
     size = path.stat().st_size
     digest = _sha256(path)
     if size != announce.size or digest != announce.sha256:

@@ -33,7 +33,6 @@ from typing import Any
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
-from nats.js.object_store import ObjectStore
 from prometheus_client import Counter, Histogram
 
 from loopline.common.contracts import subjects
@@ -101,14 +100,12 @@ class AdapterManager:
         self.retired: dict[str, float] = {}
         self._sub: JetStreamContext.PushSubscription | None = None
         self._retire_sub: JetStreamContext.PushSubscription | None = None
-        self._obs: ObjectStore | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
         # Folders of a previous run of this replica are stale: their versions died with it.
         await asyncio.to_thread(shutil.rmtree, self.root, True)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._obs = await self.js.object_store(subjects.ADAPTERS_BUCKET)
         # Retirements first: one published while the checkpoints catch up is not missed. Only new
         # ones: a job retired earlier has no announce left to catch up with.
         self._retire_sub = await self.js.subscribe(
@@ -266,7 +263,7 @@ class AdapterManager:
         # A folder per load: a version being reloaded never shares files with one being unloaded.
         folder = self.root / announce.job_hash / f"{announce.step}-{self._loads}"
         try:
-            archive = await download(self._obs, announce, folder)
+            archive = await download(self.js, announce, folder)
             checkpoint = await asyncio.to_thread(unpack, archive, folder)
             archive.unlink()
             config = await asyncio.to_thread(read_adapter_config, checkpoint)

@@ -26,7 +26,7 @@ from loopline.common.contracts import job_env, subjects
 from loopline.common.contracts.job_layout import CODE_DIR, DATASET_FILE
 from loopline.common.contracts.job_schemas import JobStatus, JobSubmit, OwnerFilter
 from loopline.common.contracts.train_params import JobConfig, TrainParams
-from loopline.common.runtime import adapter_retire, bus
+from loopline.common.runtime import adapter_retire, bus, objects
 from loopline.trainer import hub_push, jobdir, shipped_code
 from loopline.trainer.errors import CodeRefused, InvalidRequest, TrainerError, Unavailable, WrongState
 from loopline.trainer.events import EventPublisher
@@ -162,10 +162,8 @@ class JobControl:
 
     async def _fetch(self, name: str, dest: Path, what: str) -> None:
         try:
-            store = await self.js.object_store(subjects.DATASETS_BUCKET)
-            # Into a file: reading a large object into memory is slow in nats-py.
-            with open(dest, "wb") as f:  # noqa: ASYNC230 - nats-py writes the chunks from the event loop
-                await store.get(name, writeinto=f)
+            with open(dest, "wb") as f:  # noqa: ASYNC230 - chunks are written from the event loop
+                await objects.read_into(self.js, subjects.DATASETS_BUCKET, name, f)
         except (ObjectNotFoundError, NotFoundError) as exc:
             raise InvalidRequest(f"the {what} {name} is not in the {subjects.DATASETS_BUCKET!r} "
                                  f"object store") from exc

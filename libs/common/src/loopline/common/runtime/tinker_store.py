@@ -8,7 +8,6 @@ this one class, so a key's spelling and a record's type are decided once.
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 from typing import TypeVar
 
@@ -29,7 +28,7 @@ from loopline.common.contracts.tinker_schemas import (
     TinkerSession,
     TinkerWorker,
 )
-from loopline.common.runtime import bus
+from loopline.common.runtime import bus, objects
 
 log = logging.getLogger(__name__)
 
@@ -139,12 +138,7 @@ class TinkerStore:
     async def unpack(self, payload: Payload) -> bytes:
         if payload.blob is None:
             return payload.inline_bytes()
-        assert self._blobs is not None, "start() first"
-        # writeinto: nats-py's in-memory get copies a big object quadratically (it joins the chunks
-        # onto one bytes object as they arrive); writing into a buffer keeps it linear.
-        buffer = io.BytesIO()
-        await self._blobs.get(payload.blob, writeinto=buffer)
-        return buffer.getvalue()
+        return await objects.read_bytes(self.js, subjects.TINKER_BLOBS_BUCKET, payload.blob)
 
     # --- futures ----------------------------------------------------------------------------------
     async def finish(self, result: FutureResult) -> None:

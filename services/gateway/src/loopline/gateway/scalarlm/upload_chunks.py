@@ -32,7 +32,7 @@ from nats.js.errors import NotFoundError
 from nats.js.object_store import ObjectStore
 
 from loopline.common.contracts import subjects
-from loopline.common.runtime import bus
+from loopline.common.runtime import bus, objects
 
 _ID = re.compile(r"^[0-9a-f]{32}$")
 _HASH_BLOCK = 1024 * 1024
@@ -112,10 +112,11 @@ class ChunkStaging:
         return upload_id, await self.received(js, upload_id, plan)
 
     async def plan(self, js: JetStreamContext, upload_id: str) -> UploadPlan:
-        store = await self.store(js)
+        await self.store(js)  # the bucket, on a first call
         try:
-            found = await store.get(plan_object(self._checked(upload_id)))
-            return UploadPlan(**json.loads(found.data or b""))
+            found = await objects.read_bytes(js, subjects.UPLOADS_BUCKET,
+                                             plan_object(self._checked(upload_id)))
+            return UploadPlan(**json.loads(found or b""))
         except (NotFoundError, ValueError, TypeError) as exc:
             raise UnknownUpload(upload_id) from exc
 
@@ -145,13 +146,12 @@ class ChunkStaging:
                        plan: UploadPlan) -> tuple[IO[bytes], str, int]:
         """The chunks concatenated in order into a temporary file (at its start; the caller closes
         it), with its sha256 and size."""
-        store = await self.store(js)
+        await self.store(js)
         out = tempfile.TemporaryFile(dir=self.root)  # noqa: SIM115 - returned open
         try:
             # Invariant: ``out`` holds chunks 0..index-1, in order.
             for index in range(plan.num_chunks):
-                # nats-py writes the object's pieces into the file as they arrive.
-                await store.get(chunk_object(upload_id, index), writeinto=out)
+                await objects.read_into(js, subjects.UPLOADS_BUCKET, chunk_object(upload_id, index), out)
             out.seek(0)
             sha, size = await asyncio.to_thread(_digest, out)
         except BaseException:
