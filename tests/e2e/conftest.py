@@ -76,5 +76,7 @@ def service(tinker_stack):
 
     mp = pytest.MonkeyPatch()
     mp.setenv("TINKER_TELEMETRY", "0")
-    yield tinker.ServiceClient(base_url=tinker_stack.url, api_key="tml-loopline-test")
+    # Closed on exit (the session finished): no heartbeat thread outlives the stack.
+    with tinker.ServiceClient(base_url=tinker_stack.url, api_key="tml-loopline-test") as service:
+        yield service
     mp.undo()

@@ -261,7 +261,8 @@ def service(stack):
 
     mp = pytest.MonkeyPatch()
     mp.setenv("TINKER_TELEMETRY", "0")
-    yield tinker.ServiceClient(base_url=stack.url, api_key="tml-loopline-test")
+    with tinker.ServiceClient(base_url=stack.url, api_key="tml-loopline-test") as service:
+        yield service  # closed on exit: no heartbeat thread outlives the stack
     mp.undo()
 
 

@@ -80,27 +80,27 @@ def test_a_teacher_and_a_student_each_train_sample_and_score_on_their_own_base(m
     from transformers import AutoTokenizer
 
     stack, tiny, *_ = matrix
-    service = tinker.ServiceClient(base_url=stack.url, api_key="tml-loopline-test")
-    # Both bases share the tiny tokenizer; the SDK's get_tokenizer would look the Hub name up online.
-    tokens = AutoTokenizer.from_pretrained(tiny).encode("The quick brown fox jumps over the lazy dog")
-    prompt = types.ModelInput.from_ints(tokens)
-    scored: dict[str, list[float | None]] = {}
-    runs = {}
-    for base in (STUDENT, TEACHER):
-        training = service.create_lora_training_client(base_model=base, rank=4, seed=1).result()
-        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                            loss_fn_inputs={"target_tokens": types.TensorData.from_numpy(
-                                np.array(tokens[1:], dtype=np.int64))})
-        training.forward_backward([datum], "cross_entropy").result()
-        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-        tuned = training.save_weights_and_get_sampling_client("matrix-" + base.split("/")[-1]).result()
-        answer = tuned.sample(prompt=prompt, num_samples=1,
-                              sampling_params=types.SamplingParams(max_tokens=3, seed=1)).result()
-        assert len(answer.sequences[0].tokens) == 3
-        base_client = service.create_sampling_client(base_model=base).result()
-        scored[base] = base_client.compute_logprobs(prompt).result()
-        assert tuned.compute_logprobs(prompt).result()[1:] != scored[base][1:]  # the adapter counts
-        runs[base] = training.model_id
+    with tinker.ServiceClient(base_url=stack.url, api_key="tml-loopline-test") as service:
+        # Both bases share the tiny tokenizer; the SDK's get_tokenizer would look the Hub name up online.
+        tokens = AutoTokenizer.from_pretrained(tiny).encode("The quick brown fox jumps over the lazy dog")
+        prompt = types.ModelInput.from_ints(tokens)
+        scored: dict[str, list[float | None]] = {}
+        runs = {}
+        for base in (STUDENT, TEACHER):
+            training = service.create_lora_training_client(base_model=base, rank=4, seed=1).result()
+            datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                                loss_fn_inputs={"target_tokens": types.TensorData.from_numpy(
+                                    np.array(tokens[1:], dtype=np.int64))})
+            training.forward_backward([datum], "cross_entropy").result()
+            training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+            tuned = training.save_weights_and_get_sampling_client("matrix-" + base.split("/")[-1]).result()
+            answer = tuned.sample(prompt=prompt, num_samples=1,
+                                  sampling_params=types.SamplingParams(max_tokens=3, seed=1)).result()
+            assert len(answer.sequences[0].tokens) == 3
+            base_client = service.create_sampling_client(base_model=base).result()
+            scored[base] = base_client.compute_logprobs(prompt).result()
+            assert tuned.compute_logprobs(prompt).result()[1:] != scored[base][1:]  # the adapter counts
+            runs[base] = training.model_id
     # Other weights, other logprobs: each base was scored by its own engine.
     student, teacher = (np.array(scored[b][1:], dtype=np.float64) for b in (STUDENT, TEACHER))
     assert np.abs(student - teacher).max() > 1e-3

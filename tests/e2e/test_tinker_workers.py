@@ -35,7 +35,8 @@ def cancel_what_is_left(slurm):
 @pytest.fixture(scope="module")
 def sdk(slurm_stack):
     os.environ.setdefault("TINKER_TELEMETRY", "0")
-    return tinker.ServiceClient(base_url=slurm_stack.url, api_key="tml-loopline-test")
+    with tinker.ServiceClient(base_url=slurm_stack.url, api_key="tml-loopline-test") as service:
+        yield service  # closed on exit: no heartbeat thread outlives the stack
 
 
 def records(stack, model_id: str) -> tuple[TinkerModel, TinkerWorker]:

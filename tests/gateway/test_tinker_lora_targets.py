@@ -48,8 +48,8 @@ def test_the_sdks_default_lora_without_lm_head_lora_is_refused_at_creation(gatew
     detail = str(refused.json())
     assert "train_unembed" in detail and "Gemma2ForCausalLM" in detail and "lm_head" in detail, detail
 
-    service = tinker.ServiceClient(base_url=gateway.url, api_key="tml-test")
-    with pytest.raises(tinker.BadRequestError, match="train_unembed"):
+    with (tinker.ServiceClient(base_url=gateway.url, api_key="tml-test") as service,
+          pytest.raises(tinker.BadRequestError, match="train_unembed")):
         service.create_lora_training_client(base_model=gemma2_served, rank=8).result()
 
 
