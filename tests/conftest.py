@@ -10,6 +10,7 @@ import pytest
 
 from loopline.common.local import launcher
 from loopline.common.runtime import bus
+from support.early_release import pytest_runtest_teardown  # noqa: F401 (a hook: stacks stop early)
 from support.gateway_process import start_gateway
 from support.nats import nats_server as _nats_server
 from support.postgres import postgres_server
@@ -80,3 +81,4 @@ def pytest_collection_modifyitems(config, items):
     # while the other lane has started few of the stacks it keeps to the end. Run later, beside
     # them, it took the last of the memory and the kernel killed one of their engines.
     items.sort(key=lambda item: item.get_closest_marker("families") is None)
+
