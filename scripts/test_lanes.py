@@ -82,7 +82,8 @@ def tee(source, log: Path) -> threading.Thread:
 
 def last_progress(log: Path) -> str:
     """The lane's last progress line (a test file and its results so far): where it was at the end."""
-    lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("tests/")]
+    lines = [line for line in log.read_text(errors="replace").splitlines()
+             if line.startswith("tests/") and "::" not in line.split(" ")[0]]  # not a warning's test
     return lines[-1][:120] if lines else "(no test started)"
 
 
