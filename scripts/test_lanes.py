@@ -39,10 +39,11 @@ NO_TESTS_COLLECTED = 5  # pytest's exit status when a selection is empty
 # need. Measured on this 2-core machine, a small matmul loop in two processes at once: 820 it/s
 # each spinning, 5,280 passive (alone: 8,370 and 3,470). A user's own setting wins.
 THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-# CI stops a run at 5,400 s, setup (~300 s) included, and then keeps only the tail of its output.
-# Lanes still running at the deadline are interrupted, so that they print their summaries and
-# durations and this script its own last lines before that; LOOPLINE_LANES_DEADLINE_S overrides.
-DEADLINE_S = 4_500.0
+# CI stops a run at 5,400 s, setup included (270 s before the lanes at stop 40), and then keeps only
+# the tail of its output. Lanes still running at the deadline are interrupted, so that they print
+# their summaries and durations, and this script its own last lines, before that: 270 + 4,800 + 90
+# s of grace leaves a minute. LOOPLINE_LANES_DEADLINE_S overrides.
+DEADLINE_S = 4_800.0
 INTERRUPT_GRACE_S = 90.0
 
 
