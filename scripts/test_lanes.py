@@ -10,7 +10,7 @@ the tests that need it wait on its lock).
 
 The stacks' lane prints as it goes; the other lane's output goes to a log (named at start) and is
 printed when both are done. Last come a few lines that CI's tail keeps: each lane's outcome, its
-failures and last line, and what the machine did meanwhile (support/lane_watch.py). Lanes past
+failures and last progress line, and what the machine did meanwhile (support/lane_watch.py). Lanes past
 DEADLINE_S are interrupted. The exit status is the first failing lane's; "no test selected" in one
 lane (arguments that pick tests from the other) is not a failure.
 
