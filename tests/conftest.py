@@ -78,6 +78,6 @@ def pytest_collection_modifyitems(config, items):
     mark_tiers(items)
     leave_out_compose(config, items)
     # The model families' stack (six engines at its peak) first: in `make test` its lane then runs it
-    # while the other lane has started few of its stacks. Run later, beside
-    # them, it took the last of the memory and the kernel killed one of their engines.
+    # while the other lane has started few of its stacks. Run later, beside them, it took the last
+    # of the memory and the kernel killed one of their engines.
     items.sort(key=lambda item: item.get_closest_marker("families") is None)
