@@ -20,6 +20,7 @@ from loopline.common.contracts.schemas import WorkItem
 from loopline.common.local import launcher
 from loopline.common.local.stack import LocalStack
 from loopline.common.runtime import bus, nats_auth, nats_permissions as roles
+from loopline.gateway.auth.ui_sessions import UiSessions
 
 DEPLOYMENT = subjects.deployment_key("tiny")
 REFUSED = (NatsTimeoutError, TimeoutError, NoRespondersError)
@@ -136,6 +137,12 @@ async def test_every_role_creates_the_topology_and_does_its_work(server):
                                        (roles.CHECKPOINT_WATCHER, roles.INFERENCE, subjects.ADAPTERS_BUCKET)):
             await (await c[writer].js.object_store(bucket)).put("h1/1", b"bytes")
             assert (await (await c[reader].js.object_store(bucket)).get("h1/1")).data == b"bytes"
+        # The gateway keeps the dashboard's sessions in its own bucket, made at its TTL by it.
+        sessions = UiSessions(c[roles.GATEWAY].js, max_age_s=60)
+        session = await sessions.open("0" * 64)
+        assert await sessions.key_of(session.encode()) == "0" * 64
+        await sessions.close(session.encode())
+        assert await sessions.key_of(session.encode()) is None
         # The queue clears WORK; the trainer purges a deleted job's events.
         await c[roles.QUEUE].js.purge_stream(subjects.WORK_STREAM)
         await c[roles.TRAINER].js.purge_stream(subjects.EVENTS_STREAM, subject=subjects.job_events("h1"))
@@ -184,11 +191,12 @@ async def test_what_a_role_must_not_do_is_refused(server):
             await replica.js.update_stream(info.config)
         assert await replica.violations(f"$JS.API.STREAM.UPDATE.{subjects.WORK_STREAM}")
 
-        # A session worker (job code) cannot read the watcher's cursor bucket, queue work, or
-        # listen to other clients' results.
-        with pytest.raises(REFUSED):
-            await worker.js.key_value(subjects.CHECKPOINT_CURSOR_BUCKET)
-        assert await worker.violations(f"$JS.API.STREAM.INFO.KV_{subjects.CHECKPOINT_CURSOR_BUCKET}")
+        # A session worker (job code) cannot read the watcher's cursor bucket or the dashboard's
+        # sessions, queue work, or listen to other clients' results.
+        for bucket in (subjects.CHECKPOINT_CURSOR_BUCKET, subjects.UI_SESSIONS_BUCKET):
+            with pytest.raises(REFUSED):
+                await worker.js.key_value(bucket)
+            assert await worker.violations(f"$JS.API.STREAM.INFO.KV_{bucket}")
         await worker.nc.publish(subjects.work(DEPLOYMENT), b"{}")
         assert await worker.violations(subjects.work(DEPLOYMENT))
         await worker.nc.subscribe(subjects.RESULTS_ALL)

@@ -276,11 +276,13 @@ class Page:
 
 
 class Site:
-    """A web site of another origin: ``html`` is the page it serves at ``url`` (any path)."""
+    """A web site of another origin: ``html`` is the page it serves at ``url`` (any path);
+    ``cookies`` the ``Cookie`` header of each request it got (what a browser gave it)."""
 
     def __init__(self, name: str, port: int):
         self.url = f"http://{name}:{port}/"
         self.html = b""
+        self.cookies: list[str] = []
 
 
 @contextlib.contextmanager
@@ -291,6 +293,7 @@ def other_site(name: str) -> Iterator[Site]:
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # http.server's name
+            site.cookies.append(self.headers.get("Cookie", ""))
             self.send_response(200)
             self.send_header("Content-Type", "text/html")
             self.send_header("Content-Length", str(len(site.html)))

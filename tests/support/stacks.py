@@ -11,10 +11,14 @@ REPO = Path(__file__).resolve().parents[2]
 MODELS_DIR = REPO / ".loopline" / "models"
 
 # Short redelivery so a killed replica's work moves on within seconds, small body limit so the
-# 413 test need not send megabytes.
+# 413 test need not send megabytes. A session stack serves many test modules as one keyless
+# holder, whose Tinker clients all stay live for the idle TTL: room for them all (the limits
+# themselves are tests/gateway/test_tinker_request_limits.py's and tinker_worker/test_request_bounds.py's).
 TEST_ENV = {
     "LOOPLINE_ACK_WAIT_S": "4",
     "LOOPLINE_MAX_BODY_BYTES": str(1024 * 1024),
+    "LOOPLINE_MAX_TINKER_MODELS_PER_KEY": "512",
+    "LOOPLINE_TINKER_MAX_CLIENTS": "512",
     "LOOPLINE_LOG_LEVEL": "INFO",
 }
 

@@ -56,7 +56,9 @@ class TrainerClient:
         await store.put(sha, content)
         return sha
 
-    async def submit(self, params: dict, dataset: bytes = DATASET, code: bytes | None = None) -> JobInfo:
+    async def submit(self, params: dict, dataset: bytes = DATASET, code: bytes | None = None,
+                     **submit: Any) -> JobInfo:
+        """``submit``: more JobSubmit fields (``admin=True``, as the gateway sends for an admin key)."""
         # Named, sized and counted as the gateway does it for a plain jsonlines upload.
         with read_training_archive(io.BytesIO(dataset), len(dataset), max_members=1) as read:
             dataset_sha, dataset_bytes, examples = read.dataset_sha256, read.dataset_bytes, read.examples
@@ -66,7 +68,7 @@ class TrainerClient:
         # refusal of a bad one is what a test sees (JobSubmit would refuse it here).
         request = {"job_hash": submit_hash(params, dataset_sha, code_sha), "params": params,
                    "dataset_sha256": dataset_sha, "dataset_bytes": dataset_bytes, "examples": examples,
-                   "code_sha256": code_sha}
+                   "code_sha256": code_sha, **submit}
         return await self.service.call(subjects.SVC_TRAINER_SUBMIT, request, JobInfo)
 
     async def job(self, subject: str, ref: str) -> JobInfo:

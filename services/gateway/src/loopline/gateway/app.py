@@ -15,8 +15,10 @@ from loopline.gateway.auth.api_keys import ApiKeys
 from loopline.gateway.auth.key_limits import KeyLimits
 from loopline.gateway.auth.key_store import KeyStore
 from loopline.gateway.auth.same_origin import SameOrigin
+from loopline.gateway.auth.ui_sessions import UiSessions
 from loopline.gateway.core import errors, openapi_docs
 from loopline.gateway.core.body_limit import BodyLimit
+from loopline.gateway.core.limits import WindowQuota
 from loopline.gateway.gateway import Gateway
 from loopline.gateway.openai import routers as openai
 from loopline.gateway.scalarlm import routers as scalarlm
@@ -61,7 +63,11 @@ def create_app(settings: GatewaySettings, gateway: Gateway) -> FastAPI:
         # Outside the body limit: an unauthenticated client gets 401 before any body is read.
         # The dashboard's sign-in (ui/login_api.py) checks a key against the same store.
         app.state.key_store = KeyStore(settings.api_keys_file, settings.api_key_set)
-        app.add_middleware(ApiKeys, store=app.state.key_store,
+        app.state.ui_sessions = UiSessions(gateway.js, settings.ui_session_max_age_s)
+        app.state.ui_session_quota = WindowQuota(settings.max_ui_sessions_per_key,
+                                                 settings.ui_session_max_age_s, "max_ui_sessions_per_key",
+                                                 "dashboard sign-ins")
+        app.add_middleware(ApiKeys, store=app.state.key_store, sessions=app.state.ui_sessions,
                            limits=KeyLimits(settings.retry_after_s), routes=app.router.routes)
     elif not _is_loopback(settings.host):
         log.warning("the gateway listens on %s with no API keys: anyone who can reach it can infer, "

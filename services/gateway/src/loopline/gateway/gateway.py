@@ -18,7 +18,7 @@ from loopline.gateway.core.adapters import AdapterRegistry
 from loopline.gateway.core.admission import Admission
 from loopline.gateway.core.answers import Answers
 from loopline.gateway.core.event_streams import StreamSlots
-from loopline.gateway.core.limits import WindowQuota
+from loopline.gateway.core.limits import RateQuota, WindowQuota
 from loopline.gateway.core.model_directory import ModelDirectory
 from loopline.gateway.core.results import Results
 from loopline.gateway.core.service_calls import ServiceCalls
@@ -47,9 +47,14 @@ class Gateway:
         # Tinker sessions and sampling sessions created per key (their buckets' TTL is the window)
         self.session_quota = WindowQuota(settings.max_tinker_sessions_per_key,
                                          settings.tinker_sessions_max_age_s, "max_tinker_sessions_per_key",
-                                         "Tinker sessions and sampling sessions")
+                                         "Tinker sessions and sampling sessions",
+                                         max_holders=settings.max_tracked_clients)
+        # run metrics posted per key, keys or none: each is an EVENTS message every live page hears
+        self.metrics_quota = RateQuota(settings.run_metrics_per_minute, "run_metrics_per_minute",
+                                       "run metrics posts", max_holders=settings.max_tracked_clients)
         # the dashboard's (/ui) view of the cluster and the newest events, shared by its pages
-        self.ui = DashboardFeeds(nc, js, self.services, self.models, settings.ui_refresh_s)
+        self.ui = DashboardFeeds(nc, js, self.services, self.models, self.trainer, self.tinker.store.models,
+                                 settings.ui_refresh_s, settings.ui_event_refresh_s)
         self.js = js
 
     async def start(self) -> None:

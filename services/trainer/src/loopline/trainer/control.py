@@ -50,6 +50,7 @@ class JobControl:
         self.js = js
         self.publisher = publisher
         self.jobs_dir = Path(settings.jobs_dir).resolve()
+        self.limits = jobdir.ReadLimits.of(settings)
         # Whom a job's own ml/ code runs as (a uid per job, where the trainer is root); a bad name ends
         # the trainer at start, not a job later.
         self.job_user = job_env.job_user(settings.job_user, uid_range=settings.job_uid_range)
@@ -83,7 +84,7 @@ class JobControl:
             existing = await asyncio.to_thread(self.registry.get, job_hash)
             if existing is not None:
                 return existing
-            await asyncio.to_thread(self._check_hub_token, request.params)
+            await asyncio.to_thread(self._check_hub_push, request)
             llm_name = request.params.llm_name or self.settings.model
             params = request.params.model_copy(update={"llm_name": llm_name})
             model_path = resolve_model_path(llm_name, self.settings.models_dir)
@@ -126,10 +127,16 @@ class JobControl:
             await asyncio.to_thread(jobdir.remove, staging)
             raise
 
-    def _check_hub_token(self, params: TrainParams) -> None:
-        """Refuse a push_to_hub this trainer could not do (no token) before training, not after."""
-        if params.push_to_hub is None:
+    def _check_hub_push(self, request: JobSubmit) -> None:
+        """Refuse a push_to_hub this trainer could not do (no token) or may not do (the operator's
+        settings, hub_push.check_allowed) before training, not after."""
+        push = request.params.push_to_hub
+        if push is None:
             return
+        try:
+            hub_push.check_allowed(self.settings, push, request.admin)
+        except hub_push.NotAllowed as exc:
+            raise InvalidRequest(f"params.push_to_hub.{exc}") from exc
         try:
             token = hub_push.hub_token(self.settings)
         except hub_push.NoToken as exc:
@@ -224,6 +231,12 @@ class JobControl:
         job = await asyncio.to_thread(self.registry.update, job, retries=retries)
         return await self.launch(job)
 
+    async def fail_running(self, job: Job, error: str) -> Job:
+        """Fail a job whose run may still be going (call under its lock): the run is stopped first,
+        so nothing it writes after its ``failed`` event is taken for the job's."""
+        await self._stop_run(job)
+        return await self.fail(job, error)
+
     async def fail(self, job: Job, error: str) -> Job:
         job = await asyncio.to_thread(self.registry.update, job, status=JobStatus.FAILED,
                                       finished_at=time.time(), error=error, events_done=False)
@@ -301,9 +314,10 @@ class JobControl:
                                  f"job can be restarted")
             if not await self._wait_stopped(job):
                 raise WrongState(f"job {job.job_hash}'s previous run is still stopping; retry shortly")
-            await asyncio.to_thread(jobdir.mark_requeued, job.job_dir)
+            await asyncio.to_thread(jobdir.mark_requeued, job.job_dir, self.limits.max_status_bytes)
             # What the old run wrote after it was cancelled or failed is not news: start after it.
-            seq, offset = await asyncio.to_thread(jobdir.events_end, job.job_dir)
+            seq, offset = await asyncio.to_thread(jobdir.events_end, job.job_dir,
+                                                  self.limits.max_event_line_bytes)
             job = await asyncio.to_thread(
                 self.registry.update, job, status=JobStatus.QUEUED, error=None, finished_at=None, retries=0,
                 slurm_job_id=None, events_seq=seq, events_offset=offset, events_done=False)

@@ -31,6 +31,7 @@ from loopline.trainer.endpoints import Endpoints
 from loopline.trainer.events import EventPublisher
 from loopline.trainer.hub_loop import hub_loop
 from loopline.trainer.hub_push import HubPusher
+from loopline.trainer.hub_repos import HubRepos
 from loopline.trainer.launchers import make_launchers
 from loopline.trainer.reconcile import reconcile_loop
 from loopline.trainer.registry import Registry, job_count_families
@@ -56,7 +57,8 @@ async def run(rt: Runtime, settings: TrainerSettings) -> None:
                                          extra_args=settings.slurm_extra_args,
                                          job_env_allow=settings.job_env_allow)
     registry = Registry(db)
-    control = JobControl(settings, registry, launcher, launchers, js, EventPublisher(js, registry))
+    publisher = EventPublisher(js, registry, jobdir.ReadLimits.of(settings))
+    control = JobControl(settings, registry, launcher, launchers, js, publisher)
     # Tinker session workers: started through the same launcher as jobs, followed like them.
     tinker = SessionWorkers(settings, launcher, launchers, nc, js)
     await tinker.start()
@@ -78,4 +80,4 @@ async def run(rt: Runtime, settings: TrainerSettings) -> None:
     interval = settings.reconcile_interval_s
     await rt.serve({"reconcile": reconcile_loop(control, rt.stopping, interval),
                     "tinker-workers": tinker_workers_loop(tinker, rt.stopping, interval),
-                    "hub": hub_loop(control, HubPusher(settings), rt.stopping, interval)})
+                    "hub": hub_loop(control, HubPusher(settings, HubRepos(db)), rt.stopping, interval)})

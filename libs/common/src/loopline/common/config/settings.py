@@ -75,10 +75,26 @@ class CommonSettings(BaseSettings):
     tinker_sessions_max_age_s: float = Field(default=24 * 3600, gt=0, description=(
         "How long the `TINKER_SESSIONS` and `TINKER_SAMPLERS` buckets keep a Tinker session or "
         "sampling session after it was last heartbeated or used; then it is gone (410/404)."))
+    # Clients make events (a run's metrics, a job's steps): unbounded, a flood filled JetStream's
+    # store and WORK and RESULTS publishes failed. Dropping the oldest keeps every publish working.
+    events_max_bytes: int = Field(default=512 * MiB, ge=1 * MiB, description=(
+        "The most bytes the EVENTS stream (job, adapter and Tinker session events, run metrics) "
+        "keeps; past it the oldest events are dropped, so a flood of events never fills NATS's "
+        "store (new events are always taken)."))
 
     @property
     def models_dir(self) -> Path:
         return self.models_path or self.state_dir / "models"
+
+
+MAX_REQUEST_BYTES_DESCRIPTION = (
+    "The most bytes one Tinker `forward_backward` (or `forward`) may expand to: every datum's tokens "
+    "and loss inputs, sparse ones densified, sized from their shapes before any of it is made. The "
+    "gateway answers a larger one 400 before a session worker sees it; the worker, which reads this "
+    "too, refuses one with a `user` error.")
+MAX_CLIENTS_DESCRIPTION = (
+    "How many Tinker training clients one session worker holds at once; one more is refused "
+    "(a `user` error, its record failed) until an idle one is released.")
 
 
 class GatewaySettings(CommonSettings):
@@ -117,6 +133,18 @@ class GatewaySettings(CommonSettings):
     max_tinker_sessions_per_key: int = Field(default=10_000, ge=1, description=(
         "How many Tinker sessions and sampling sessions one API key (or one client address without "
         "keys) may create at one gateway within `LOOPLINE_TINKER_SESSIONS_MAX_AGE_S`; more get 429."))
+    # Each live client is a LoRA and its AdamW state resident in the shared session worker
+    # (LOOPLINE_TINKER_MAX_CLIENTS there): below that, one key cannot take a worker whole. Recipes
+    # keep a handful each; counted over every gateway (the TINKER_MODELS records).
+    max_tinker_models_per_key: int = Field(default=32, ge=1, description=(
+        "How many live Tinker training clients (created, and not yet released or failed) one API "
+        "key (all clients together without keys) may hold; one more `create_model` (or client from "
+        "saved state) gets 429, which the SDK does not retry, until one idles out "
+        "(`LOOPLINE_TINKER_IDLE_TTL_S`)."))
+    # The SDK cuts a call at ~5 MB of proto; dense, that is ~5 MB. A sparse tensor is sized by its
+    # shape, not its bytes: 400 KB of them once grew a shared worker by 7 GB.
+    tinker_max_request_bytes: int = Field(default=256 * MiB, ge=1 * MiB,
+                                          description=MAX_REQUEST_BYTES_DESCRIPTION)
     # The SDK's get_tokenizer() runs AutoTokenizer.from_pretrained(tokenizer_id) on the client's
     # machine: a folder of the gateway's machine only loads there (found by `make compose-test`:
     # every remote client's get_tokenizer() failed on the container's path).
@@ -128,6 +156,17 @@ class GatewaySettings(CommonSettings):
     max_streams_per_key: int = Field(default=16, ge=1, description=(
         "How many event streams (SSE: training events, logs) one API key, or one client address "
         "without keys, may hold open at once; one more gets 429."))
+    # Each post is an EVENTS message of up to ~10 KB that every open dashboard page hears; a
+    # cookbook loop posts once per iteration (seconds apart).
+    run_metrics_per_minute: int = Field(default=120, ge=1, description=(
+        "How many `POST /v1/tinker/runs/{run}/metrics` one API key, or one client address without "
+        "keys, may make per minute at one gateway (bursts of a tenth of it); more get 429 with "
+        "`Retry-After`."))
+    # An entry per holder (key, or client address without keys) seen lately; the least recently
+    # seen are forgotten past this many, so a client with many addresses cannot grow the table.
+    max_tracked_clients: int = Field(default=10_000, ge=100, description=(
+        "How many API keys or client addresses each per-client quota (Tinker sessions, run "
+        "metrics) remembers at one gateway; past it the least recently seen is forgotten."))
     retry_after_s: int = Field(default=2, description="The `Retry-After` of a 429.")
     # Longer than a replica's restart (vLLM loads the tiny model in ~20 s on 2 cores), so a replica
     # being replaced does not turn its requests away; a deployment gone for good is known in a minute.
@@ -174,11 +213,26 @@ class GatewaySettings(CommonSettings):
         "Let a key without the admin scope train any `llm_name` (a server path, a Hub id); off, its "
         "`llm_name` must be a model this deployment serves (400 otherwise). Admin keys, and every "
         "request when keys are off, may always name any."))
-    # A page left open holds one event stream; each re-reads the cluster's state (shared by every
-    # open page of the gateway) and its own jobs and runs at most this often.
+    # A page left open holds one event stream; the cluster's state and the list of jobs and runs
+    # are read once for every open page of the gateway (ui/listings.py), at most this often.
     ui_refresh_s: float = Field(default=2.0, ge=0.2, le=60, description=(
         "How often an open dashboard page (`/ui`) is brought up to date when nothing happens; an "
         "event (a step, a checkpoint, an adapter loaded) updates it at once."))
+    # Events come at the rate clients make them; each update re-lists every job and run.
+    ui_event_refresh_s: float = Field(default=0.5, ge=0.05, le=60, description=(
+        "The shortest time between two updates of the open dashboard pages: events that come "
+        "faster are shown together, with one listing of the jobs and runs per gateway for all of "
+        "its pages, however many events and pages there are."))
+    # A working day; the session ends sooner when its browser signs out or its key is revoked or
+    # rotated (auth/ui_sessions.py).
+    ui_session_max_age_s: float = Field(default=12 * 3600, ge=60, le=30 * 24 * 3600, description=(
+        "How long a dashboard sign-in (`/ui`) lasts: its session, kept in the `UI_SESSIONS` bucket "
+        "(whose TTL this sets), then ends and the browser is sent to the sign-in page."))
+    # Each sign-in is one record in NATS for the session's lifetime: a key's holder must not be
+    # able to fill the bucket by signing in in a loop.
+    max_ui_sessions_per_key: int = Field(default=100, ge=1, description=(
+        "How many dashboard sign-ins one API key may make at one gateway within "
+        "`LOOPLINE_UI_SESSION_MAX_AGE_S`; more get 429."))
     # Empty: a browser page may change state only from the gateway's own origin (auth/same_origin.py).
     allowed_origins: str = Field(default="", description=(
         "Comma-separated origins (`https://app.example.com`) of web pages whose browsers may send "
@@ -252,6 +306,15 @@ class InferenceSettings(CommonSettings):
     full_weights_start_timeout_s: float = Field(default=900.0, gt=0, description=(
         "How long a full fine-tune's own engine may take to start before its checkpoint is marked "
         "not deployed (`deployment_error`)."))
+    # Each is a whole vLLM engine (its weights and its KV cache): what a replica's host can hold.
+    max_full_weight_engines: int = Field(default=1, ge=1, description=(
+        "Full fine-tunes' own engines (`vllm serve` children) running or starting at once on one "
+        "replica; a request for another waits for one to be free (the least recently used idle "
+        "one is stopped; a busy one takes no new requests and stops once its last one ends)."))
+    # Covers the engine ahead in the queue finishing its requests, stopping and the next starting.
+    full_weights_queue_timeout_s: float = Field(default=300.0, gt=0, description=(
+        "How long a request for a full fine-tune may wait for a free engine "
+        "(`LOOPLINE_MAX_FULL_WEIGHT_ENGINES`) before it is answered 503."))
 
     @field_validator("model")
     @classmethod
@@ -291,6 +354,28 @@ class TrainerSettings(CommonSettings):
         "runs). `make up` turns it on unless set."))
     max_code_bytes: int = Field(default=64 * MiB, description=(
         "The most bytes a job's `ml/` code may unpack to."))
+    # What a job's code writes is read by the trainer (maybe root), for every job: each read has a
+    # bound checked before the rest is read, so one job cannot take the trainer's memory.
+    # The training program's status.json is about 100 KB (1,024 history points at most).
+    max_status_bytes: int = Field(default=1 * MiB, ge=1024, description=(
+        "The largest `status.json` a job may write; a larger one fails the job, naming this setting."))
+    # Each line becomes one NATS message, so it stays well under NATS's max_payload (1 MiB).
+    max_event_line_bytes: int = Field(default=256 * 1024, ge=1024, description=(
+        "The longest line of a job's `events.jsonl` (a line with no newline this long counts); a longer "
+        "one fails the job, naming this setting."))
+    # A log is the program's own output, only shown: a long line (a progress bar redrawn with \r) is
+    # no fault of the job, so it is cut rather than failing it.
+    max_log_line_bytes: int = Field(default=64 * 1024, ge=256, description=(
+        "A line of a job's log longer than this is cut at this length in the logs it is served in, "
+        "with a note of its full length; the job goes on."))
+    max_log_page_bytes: int = Field(default=512 * 1024, ge=1024, description=(
+        "The most bytes of log lines (as JSON) in one reply of the trainer; the reply says there are "
+        "more and the gateway asks again. Keep it under NATS's max_payload."))
+    # ScalarLM's training_history_length (the program thins its history to it): a job's whole
+    # honest history fits one page.
+    max_history_points: int = Field(default=1024, ge=1, description=(
+        "The most loss-history points (and checkpoints) one job's reply carries; more are paged with "
+        "`history_offset` and `history_limit`, a larger `history_limit` gets 422."))
     # A job sees an allowlist of the trainer's environment (contracts/job_env.py), never its secrets.
     job_env_allow: str = Field(default="", description=(
         "More variables a training job may see, comma-separated (`SITE_VAR,SITE_*`: a trailing `*` "
@@ -330,6 +415,10 @@ class TrainerSettings(CommonSettings):
     tinker_worker_command: str | None = Field(default=None, description=(
         "Replaces `python -m loopline.tinker_worker` in a session worker's entrypoint."))
     tinker_shared_passes: bool | None = Field(default=None, description=SHARED_PASSES_DESCRIPTION)
+    # Passed on to the session workers it starts, which enforce them.
+    tinker_max_request_bytes: int = Field(default=256 * MiB, ge=1 * MiB,
+                                          description=MAX_REQUEST_BYTES_DESCRIPTION)
+    tinker_max_clients: int = Field(default=64, ge=1, description=MAX_CLIENTS_DESCRIPTION)
     # A job's push_to_hub is done by the trainer with these, never by the job (which sees no token).
     hub_endpoint: str | None = Field(default=None, json_schema_extra=unset_means(
         "`$HF_ENDPOINT`, else `https://huggingface.co`"), description=(
@@ -338,6 +427,21 @@ class TrainerSettings(CommonSettings):
         "`$HF_TOKEN` (or huggingface_hub's saved token)"), description=(
         "A file holding the Hub token jobs are pushed with (a mounted Kubernetes Secret); never "
         "passed to a job. With no token at all, a job asking for `push_to_hub` is refused (422)."))
+    # The token is the operator's: what it may write is the operator's choice, not a training key's.
+    hub_allowed_namespaces: str = Field(default="", description=(
+        "The Hub users or organisations (comma-separated) a training key without `admin` may "
+        "`push_to_hub` to; none by default, so only an admin key (or a gateway without keys) "
+        "pushes. Others are refused at submission (422)."))
+    hub_allow_public: bool = Field(default=False, description=(
+        "Whether a job may create a public repo (`push_to_hub.private: false`); refused at "
+        "submission (422) otherwise, for admin keys too."))
+    hub_allow_existing_repos: bool = Field(default=False, description=(
+        "Whether a job may push to a Hub repo that already exists and was not created by this "
+        "trainer for the same key; otherwise such a push fails, saying so in the job's `hub`."))
+
+    @property
+    def hub_namespace_set(self) -> frozenset[str]:
+        return frozenset(n.strip() for n in self.hub_allowed_namespaces.split(",") if n.strip())
 
     @property
     def jobs_dir(self) -> Path:
@@ -388,6 +492,12 @@ class TinkerWorkerSettings(CommonSettings):
     heartbeat_s: float = Field(default=2.0, gt=0, description=(
         "How often the session worker records that it is alive."))
     tinker_shared_passes: bool | None = Field(default=None, description=SHARED_PASSES_DESCRIPTION)
+    # The SDK cuts a call at ~5 MB of proto; dense, that is ~5 MB here. A sparse tensor is sized by
+    # its shape, not its bytes: 400 KB of them once grew a shared worker by 7 GB.
+    tinker_max_request_bytes: int = Field(default=256 * MiB, ge=1 * MiB,
+                                          description=MAX_REQUEST_BYTES_DESCRIPTION)
+    # Each client is a LoRA of every adapted layer and its AdamW state, resident in the worker.
+    tinker_max_clients: int = Field(default=64, ge=1, description=MAX_CLIENTS_DESCRIPTION)
 
     @property
     def jobs_dir(self) -> Path:

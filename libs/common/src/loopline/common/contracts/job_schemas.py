@@ -45,6 +45,9 @@ class JobSubmit(BaseModel):
     # The name of the API key that submitted it (gateway/auth/api_keys.py); None when keys are off. A key
     # without the admin scope sees and controls only its own jobs (gateway/auth/tenancy.py).
     owner: str | None = Field(default=None, max_length=64)
+    # The key holds the admin scope, or the gateway has no keys: its push_to_hub may go to any Hub
+    # namespace, not only those the trainer's LOOPLINE_HUB_ALLOWED_NAMESPACES lists.
+    admin: bool = False
 
 
 # The ``owner`` of a request below: the trainer answers only among the jobs of that API key, as if
@@ -58,6 +61,10 @@ class JobRef(BaseModel):
 
     job: str
     owner: OwnerFilter = None
+    # A page of the job's loss history (a get's reply carries at most LOOPLINE_MAX_HISTORY_POINTS):
+    # from point ``history_offset``, or its newest points when None.
+    history_offset: int | None = Field(default=None, ge=0)
+    history_limit: int | None = Field(default=None, ge=0)
 
 
 class JobListRequest(BaseModel):
@@ -97,7 +104,10 @@ class JobInfo(BaseModel):
     step: int = 0
     max_steps: int = 0
     history: list[HistoryPoint] = Field(default_factory=list)
-    checkpoints: list[CheckpointInfo] = Field(default_factory=list)
+    # ``history`` is the page of the job's points from index history_offset, of history_total.
+    history_offset: int = 0
+    history_total: int = 0
+    checkpoints: list[CheckpointInfo] = Field(default_factory=list)  # the newest, as many as a page
     error: str | None = None
     owner: str | None = None  # JobSubmit.owner of its first submit
     # The push to the Hugging Face Hub its params asked for (push_to_hub), from COMPLETED on.
@@ -148,6 +158,8 @@ class LogLines(BaseModel):
     job_hash: str
     lines: list[LogLine]
     finished: bool  # the job is over: no more lines will come
+    # The page ended at its limit or at LOOPLINE_MAX_LOG_PAGE_BYTES: more lines are there already.
+    more: bool = False
 
 
 class SqueueReply(BaseModel):

@@ -35,6 +35,9 @@ MODELS_BUCKET = "MODELS"
 BATCHES_BUCKET = "BATCHES"
 # job hash -> the checkpoint-watcher's cursor for that job (what it announced, rejected, skipped)
 CHECKPOINT_CURSOR_BUCKET = "CHECKPOINT_CURSOR"
+# SHA-256 of a dashboard session id -> the API key (its SHA-256) it signed in with and when it
+# ends; the gateway's own bucket, its TTL the session's lifetime (gateway auth/ui_sessions.py)
+UI_SESSIONS_BUCKET = "UI_SESSIONS"
 
 # --- durable consumers ---------------------------------------------------------------------------
 LEDGER_WORK_DURABLE = "ledger-work"

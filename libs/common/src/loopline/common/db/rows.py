@@ -111,3 +111,16 @@ class JobRow(Base):
     # (pushed or failed, its hub event not acknowledged yet), "done".
     hub: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     hub_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
+
+
+class HubRepoRow(Base):
+    """A Hub repo the trainer created for a job's push_to_hub: the repos it may push to again
+    without LOOPLINE_HUB_ALLOW_EXISTING_REPOS. Kept when the job is deleted: the repo outlives it."""
+
+    __tablename__ = "hub_repos"
+
+    repo_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    # The API key whose job created it (JobSubmit.owner); NULL when the gateway has no keys.
+    owner: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    job_hash: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[float] = mapped_column(Float)

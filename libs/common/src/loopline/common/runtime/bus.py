@@ -34,7 +34,7 @@ from nats.js.api import (
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 from nats.js.object_store import OBJ_ALL_META_PRE_TEMPLATE, OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
-from loopline.common.config.settings import CommonSettings
+from loopline.common.config.settings import CommonSettings, MiB
 from loopline.common.contracts import subjects
 from loopline.common.runtime.telemetry import inject_trace_headers
 
@@ -120,7 +120,14 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
         await js.add_stream(config)
     except BadRequestError:
         # Exists with another config (an older version of ours): bring it up to date.
-        await js.update_stream(config)
+        try:
+            await js.update_stream(config)
+        except (TimeoutError, NatsTimeoutError, NoRespondersError) as exc:
+            # Under nats_permissions only the queue may update a stream (a refused request is never
+            # answered); another service started first keeps working with the old config until
+            # the queue applies it. A config the server refuses (APIError) still stops the start.
+            log.error("could not bring the %s stream's configuration up to date (%s): it keeps the "
+                      "old one until a role allowed to update streams applies it", config.name, exc)
 
 
 async def ensure_key_value_ttl(js: JetStreamContext, bucket: str, ttl_s: float) -> None:
@@ -155,11 +162,12 @@ class Retention:
     datasets_max_age_s: float
     adapters_max_age_s: float
     tinker_sessions_max_age_s: float = 24 * 3600
+    events_max_bytes: int = 512 * MiB
 
     @classmethod
     def of(cls, settings: CommonSettings) -> Retention:
         return cls(settings.results_max_age_s, settings.datasets_max_age_s, settings.adapters_max_age_s,
-                   settings.tinker_sessions_max_age_s)
+                   settings.tinker_sessions_max_age_s, settings.events_max_bytes)
 
 
 async def ensure_object_store(js: JetStreamContext, bucket: str, ttl_s: float) -> None:
@@ -226,6 +234,10 @@ async def ensure_topology(js: JetStreamContext, *, max_work_msgs: int = 1_000_00
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             max_age=7 * 24 * 3600,
+            # Clients make events at their own rate: the oldest go rather than a publish failing,
+            # and the stream never takes the store WORK and RESULTS need.
+            max_bytes=retention.events_max_bytes,
+            discard=DiscardPolicy.OLD,
             # The trainer republishes job events it is unsure about after a restart; the same
             # Nats-Msg-Id within this window is dropped, so no event is seen twice.
             duplicate_window=DEDUPE_WINDOW_S,

@@ -191,6 +191,10 @@ def gateway() -> Permissions:
             .merge(object_writer(subjects.UPLOADS_BUCKET))
             .merge(publisher(*(f"{JS_API}.STREAM.{verb}.{_object_stream(subjects.UPLOADS_BUCKET)}"
                                for verb in ("CREATE", "UPDATE"))))
+            # Dashboard sessions (auth/ui_sessions.py): its own bucket too, at its session lifetime.
+            .merge(kv_writer(subjects.UI_SESSIONS_BUCKET))
+            .merge(publisher(*(f"{JS_API}.STREAM.{verb}.{_kv_stream(subjects.UI_SESSIONS_BUCKET)}"
+                               for verb in ("CREATE", "UPDATE"))))
             .merge(_all_tinker_records(write=True))
             # A run's client posts its metrics (tinker/run_metrics.py): the one event it writes.
             .merge(publisher(subjects.session_event("*", "metrics")))
