@@ -11,8 +11,15 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
-from loopline.tinker_worker.proto import decode_forward_backward, encode_forward_backward_output
+from loopline.tinker_worker.proto import (
+    RequestBounds,
+    decode_forward_backward,
+    encode_forward_backward_output,
+)
 from support.tinker_data import inputs_of, sdk_body, sdk_datum as datum, tokens_of
+
+# Far above these tests' bodies: the bounds themselves are test_request_bounds.py's.
+BOUNDS = RequestBounds(1 << 30)
 
 
 def test_forward_backward_request_round_trip():
@@ -31,7 +38,7 @@ def test_forward_backward_request_round_trip():
     ]
     body = sdk_body(data, seq_id=7, forward_only=True, loss_fn="ppo",
                     config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, "variant": "token"})
-    call = decode_forward_backward(body)
+    call = decode_forward_backward(body, BOUNDS)
 
     assert (call.model_id, call.seq_id, call.loss_fn, call.forward_only) == ("ab" * 16 + ":train:0", 7, "ppo",
                                                                               True)
@@ -49,14 +56,14 @@ def test_forward_backward_request_round_trip():
 def test_two_d_dense_input_keeps_its_shape_and_unset_seq_id_is_none():
     weights = np.arange(12, dtype=np.float32).reshape(3, 4)
     body = sdk_body([datum([1, 2, 3], weights=weights)], seq_id=None)
-    call = decode_forward_backward(body)
+    call = decode_forward_backward(body, BOUNDS)
     assert call.seq_id is None and call.forward_only is False and call.loss_fn_config == {}
     assert np.array_equal(inputs_of(call.data[0])["weights"], weights)
 
 
 def test_body_refusals():
     with pytest.raises(ValueError, match="not a tinker ForwardBackwardRequest"):
-        decode_forward_backward(b"\xff\xff\xff\xff")
+        decode_forward_backward(b"\xff\xff\xff\xff", BOUNDS)
 
 
 def raw_request(tensor: pb.Tensor, chunk: pb.Chunk | None = None) -> bytes:
@@ -83,11 +90,12 @@ F32 = np.array([1.0, 2.0], dtype=np.float32).tobytes()
                                        col_indices=np.array([0, 5], dtype=np.int64).tobytes()),
                dtype=pb.DTYPE_FLOAT32, shape=[1, 3]), "inconsistent CSR"),
     (pb.Tensor(sparse_csr=pb.SparseCsr(values=F32), dtype=pb.DTYPE_FLOAT32, shape=[2]), "2-D shape"),
-    (pb.Tensor(sparse_csr=pb.SparseCsr(), dtype=pb.DTYPE_FLOAT32, shape=[1 << 20, 1 << 20]), "elements"),
+    (pb.Tensor(sparse_csr=pb.SparseCsr(), dtype=pb.DTYPE_FLOAT32, shape=[1 << 20, 1 << 20]),
+     "LOOPLINE_TINKER_MAX_REQUEST_BYTES"),
 ])
 def test_tensor_refusals_name_the_field(tensor, error):
     with pytest.raises(ValueError, match=error):
-        decode_forward_backward(raw_request(tensor))
+        decode_forward_backward(raw_request(tensor), BOUNDS)
 
 
 def _with_spans(model: list[pb.ProvenanceSpan], loss: list[pb.ProvenanceSpan]) -> bytes:
@@ -111,7 +119,7 @@ def _sampled(sequence_id: str, length: int = 2) -> pb.ProvenanceSpan:
 ])
 def test_provenance_on_the_wire_is_checked(model, loss, error):
     with pytest.raises(ValueError, match=error):
-        decode_forward_backward(_with_spans(model, loss))
+        decode_forward_backward(_with_spans(model, loss), BOUNDS)
 
 
 def test_image_and_audio_chunks_are_refused():
@@ -119,10 +127,10 @@ def test_image_and_audio_chunks_are_refused():
                                      types.ImageChunk(data=b"\x89PNG", format="png", expected_tokens=4)])
     body = sdk_body([types.Datum(model_input=image, loss_fn_inputs={"weights": [1.0] * 5})])
     with pytest.raises(ValueError, match="image inputs are not supported by this server"):
-        decode_forward_backward(body)
+        decode_forward_backward(body, BOUNDS)
     dmel = pb.Chunk(dmel=pb.DmelChunk(dmel=b"x"))
     with pytest.raises(ValueError, match=r"data\[0\]: dmel chunks: image inputs are not supported"):
-        decode_forward_backward(raw_request(pb.Tensor(dense=F32, dtype=pb.DTYPE_FLOAT32), dmel))
+        decode_forward_backward(raw_request(pb.Tensor(dense=F32, dtype=pb.DTYPE_FLOAT32), dmel), BOUNDS)
 
 
 def test_forward_backward_output_through_the_sdk_decoder():

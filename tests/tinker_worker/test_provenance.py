@@ -13,7 +13,7 @@ from tinker import types as tt
 from loopline.common.contracts.tinker_schemas import LoraSpec, TinkerModel
 from loopline.gateway.tinker.proto import SampledSeq, encode_sample_response
 from loopline.gateway.tinker.stability import record_of
-from loopline.tinker_worker.proto import decode_forward_backward
+from loopline.tinker_worker.proto import RequestBounds, decode_forward_backward
 from loopline.tinker_worker.provenance import Recorded, apply, request_ids
 from loopline.tinker_worker.types import UserError
 from support.tinker_data import sdk_body
@@ -56,7 +56,7 @@ def _datum(sample: int = 0, client_logprobs: float = 0.0) -> tt.Datum:
 
 def test_spans_cross_the_wire_and_the_recorded_logprobs_replace_the_clients():
     body = sdk_body([_datum(1, client_logprobs=-9.0)], loss_fn="stable_reinforce")
-    [decoded] = decode_forward_backward(body).data
+    [decoded] = decode_forward_backward(body, RequestBounds(1 << 30)).data
     assert decoded.loss_fn_input_spans == _datum(1).loss_fn_input_spans
     assert request_ids([decoded]) == {RID}
     [out] = apply([decoded], _records(), _model())

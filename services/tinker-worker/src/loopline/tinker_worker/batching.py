@@ -24,25 +24,44 @@ LOGITS_BUDGET_BYTES = 1 << 30
 # peaked at 6.9 GB resident (bench/tinker.py). At most this many tokens a micro-batch, whatever
 # the vocabulary; the result is the same (every loss is a sum).
 MAX_MICRO_BATCH_TOKENS = 1024
+# Soft targets pad every row of a micro-batch to its widest K: one datum of K = 152k among 1023 of
+# K = 1 made (1024, 1, 152k) targets, 1.2 GB, from a request of 155k cells. At most this many
+# padded target cells a token of the budget (a datum wider alone runs alone: its own cells are
+# bounded by LOOPLINE_TINKER_MAX_REQUEST_BYTES); top-K distillation's K of 20-64 never reaches it.
+MAX_PADDED_WIDTH = 1024
 
 
 def default_micro_batch_tokens(vocab_size: int) -> int:
     return max(1, min(MAX_MICRO_BATCH_TOKENS, LOGITS_BUDGET_BYTES // (4 * vocab_size)))
 
 
-def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Datum indices grouped so that (datums x longest) <= max_tokens, longest first (less padding);
-    every index appears exactly once."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+def micro_batches(lengths: list[int], max_tokens: int, widths: list[int] | None = None) -> list[list[int]]:
+    """Datum indices grouped so that (datums x longest) <= max_tokens and, with each datum's soft
+    target width (1: hard targets), (datums x longest x widest) <= max_tokens x MAX_PADDED_WIDTH;
+    longest first (less padding); every index appears exactly once."""
+    widths = widths or [1] * len(lengths)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], -widths[i], i))
     groups: list[list[int]] = []
-    # Invariant: each finished group fits the budget or holds a single datum; the group being
-    # filled is groups[-1], whose longest datum is its first (the order is by falling length).
+    widest = 0
+    # Invariant: each finished group fits both budgets or holds a single datum; the group being
+    # filled is groups[-1], whose longest datum is its first (the order is by falling length), and
+    # widest is its widest datum's width.
     for i in order:
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
+        if groups:
+            rows, longest, wide = len(groups[-1]) + 1, lengths[groups[-1][0]], max(widest, widths[i])
+            if rows * longest <= max_tokens and rows * longest * wide <= max_tokens * MAX_PADDED_WIDTH:
+                groups[-1].append(i)
+                widest = wide
+                continue
+        groups.append([i])
+        widest = widths[i]
     return groups
+
+
+def width_of(arrays: dict[str, np.ndarray]) -> int:
+    """A datum's soft target width K (1 for (n,) targets): what a micro-batch pads its rows to."""
+    targets = arrays[TARGETS]
+    return int(targets.shape[1]) if targets.ndim == 2 else 1
 
 
 @dataclass

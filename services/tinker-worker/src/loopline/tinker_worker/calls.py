@@ -34,7 +34,11 @@ from loopline.common.contracts.tinker_schemas import (
 )
 from loopline.common.runtime.tinker_store import TinkerStore
 from loopline.tinker_worker import provenance, staleness
-from loopline.tinker_worker.proto import decode_forward_backward, encode_forward_backward_output
+from loopline.tinker_worker.proto import (
+    RequestBounds,
+    decode_forward_backward,
+    encode_forward_backward_output,
+)
 from loopline.tinker_worker.saves import (
     NotAnnounced,
     folder_bytes,
@@ -65,6 +69,8 @@ class Calls:
         self._staleness: dict[str, staleness.Tally] = {}
         # request id -> what finishes that call in the background (run by the worker loop)
         self.pending: dict[str, Coroutine[Any, Any, None]] = {}
+        self.bounds = RequestBounds(settings.tinker_max_request_bytes, clients.base.max_tokens,
+                                    clients.base.vocab_size)
 
     async def run(self, call: StepCall, model: TinkerModel) -> FutureResult | None:
         """The call's result; None when ``pending`` holds what stores it later (a sampler save
@@ -81,7 +87,11 @@ class Calls:
 
     # --- the calls --------------------------------------------------------------------------------
     async def _create_model(self, call: StepCall, model: TinkerModel) -> FutureResult:
-        await asyncio.to_thread(self.clients.create, model.model_id, model.lora)
+        try:
+            await asyncio.to_thread(self.clients.create, model.model_id, model.lora)
+        except UserError as exc:
+            await self._never_made(model, exc)
+            raise
         self.emit(SessionEvent(worker_id=model.worker_id, kind="created", model_id=model.model_id,
                                base_model=model.base_model))
         return _json(call, {"model_id": model.model_id, "type": "create_model"})
@@ -127,8 +137,8 @@ class Calls:
 
     async def _pass_call(self, call: StepCall, model: TinkerModel) -> PassCall:
         assert call.proto is not None, "forward_backward carries its protobuf body"
-        # The one parse of this body: the gateway read only its routing fields.
-        request = decode_forward_backward(await self.store.unpack(call.proto))
+        # The one decode of this body's data: the gateway read its routing fields and sizes alone.
+        request = decode_forward_backward(await self.store.unpack(call.proto), self.bounds)
         if request.loss_fn == "stable_reinforce":  # it trains against what sampling recorded
             records = await provenance.load(self.store.js, provenance.request_ids(request.data))
             request.data = provenance.apply(request.data, records, model)
@@ -223,11 +233,28 @@ class Calls:
                             "optimizer=False, or load a save_state checkpoint")
         folder = Path(_folder_of(checkpoint, self.jobs_dir))
         first = model.model_id not in self.clients.models()
-        await asyncio.to_thread(self.clients.load_state, model.model_id, folder, body.optimizer, model.lora)
+        try:
+            await asyncio.to_thread(self.clients.load_state, model.model_id, folder, body.optimizer,
+                                    model.lora)
+        except UserError as exc:
+            if first:
+                await self._never_made(model, exc)
+            raise
         if first:
             self.emit(SessionEvent(worker_id=model.worker_id, kind="created", model_id=model.model_id,
                                    base_model=model.base_model, path=body.path))
         return _json(call, {"path": body.path, "model_id": model.model_id, "type": "load_weights"})
+
+    async def _never_made(self, model: TinkerModel, exc: UserError) -> None:
+        """A client this worker refused to make (it is full, the LoRA does not fit) fails its record,
+        so that its later calls are answered at once and it no longer counts as its key's; one it
+        holds (a second create of it, with another LoRA) is left as it is."""
+        if model.model_id in self.clients.models():
+            return
+        record = await self.store.model(model.model_id)
+        if record is not None and record.state == "active":
+            record.state, record.error = "failed", str(exc)
+            await self.store.put_model(record)
 
     async def _unload_model(self, call: StepCall, model: TinkerModel) -> FutureResult:
         self.release(model.model_id)

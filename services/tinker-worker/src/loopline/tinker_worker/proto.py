@@ -8,11 +8,14 @@
 This is the one place the request is parsed. The message types are the SDK's own
 (``tinker.proto.tinker_public_pb2``); its ``request_conv`` / ``response_conv`` are what the tests
 check these against. A malformed body is a ``ValueError`` that names the part at fault: the caller's
-mistake, which the worker answers with a ``user`` error.
+mistake, which the worker answers with a ``user`` error. So is a body that would expand past its
+``RequestBounds``: a sparse tensor of a few bytes can claim gigabytes, so every shape is sized before
+any array is made.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,10 +26,20 @@ from tinker.proto import tinker_public_pb2 as pb
 
 # The only dtypes the SDK writes into a request (request_conv._TENSOR_DTYPE_TO_PROTO).
 _REQUEST_DTYPES: dict[int, np.dtype] = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_INT64: np.dtype("<i8")}
-# The largest dense tensor a sparse one may expand to (elements): 64 Mi float32 is 256 MiB.
-MAX_DENSE_ELEMENTS = 64 << 20
+TOKEN_BYTES = 4  # a model input token, as the body carries it (int32)
+MAX_REQUEST_BYTES_SETTING = "LOOPLINE_TINKER_MAX_REQUEST_BYTES"
 # A sequence id this server hands out is ``<request id>:<index>``, well under this.
 MAX_SEQUENCE_ID_CHARS = 256
+
+
+@dataclass(frozen=True)
+class RequestBounds:
+    """What one body may make the worker allocate. Without them, four datums of [512, 131072]
+    sparse tensors holding no value (400 KB) grew the worker by 7 GB, for every tenant on it."""
+
+    max_bytes: int  # every datum's tokens and loss inputs, dense (TinkerWorkerSettings)
+    max_tokens: int | None = None  # a datum's length: the model's context
+    vocab_size: int | None = None  # the width of a 2-D input: K candidate tokens a position
 
 
 @dataclass
@@ -40,14 +53,16 @@ class FwdBwdCall:
     data: list[tt.Datum]
 
 
-def decode_forward_backward(body: bytes) -> FwdBwdCall:
+def decode_forward_backward(body: bytes, bounds: RequestBounds) -> FwdBwdCall:
     """A forward_backward body as the SDK's types, provenance spans (which sampled sequence each
-    position came from: StableReinforce trains on the sampled ones) included."""
+    position came from: StableReinforce trains on the sampled ones) included; refused before any
+    array is made when it would outgrow ``bounds``."""
     message = pb.ForwardBackwardRequest()
     try:
         message.ParseFromString(body)
     except DecodeError as e:
         raise ValueError(f"the body is not a tinker ForwardBackwardRequest: {e}") from e
+    check_bounds(message, bounds)
     config: dict[str, float | str] = dict(message.loss_fn_config)
     # v2 wins where both name a key: the SDK dual-writes numbers and puts strings only in v2.
     for key, value in message.loss_fn_config_v2.items():
@@ -58,6 +73,30 @@ def decode_forward_backward(body: bytes) -> FwdBwdCall:
     data = [_datum(i, datum) for i, datum in enumerate(message.data)]
     return FwdBwdCall(model_id=message.model_id, seq_id=message.seq_id or None, loss_fn=message.loss_fn,
                       loss_fn_config=config, forward_only=message.forward_only, data=data)
+
+
+def check_bounds(message: pb.ForwardBackwardRequest, bounds: RequestBounds) -> None:
+    """Each datum's length against the context, each 2-D input's width against the vocabulary, and
+    the whole request's dense size against ``max_bytes``, all read from lengths and shapes."""
+    total = cells = 0
+    for i, datum in enumerate(message.data):
+        n = sum(len(chunk.encoded_text.tokens) // TOKEN_BYTES for chunk in datum.model_input)
+        if bounds.max_tokens is not None and n > bounds.max_tokens:
+            raise ValueError(f"data[{i}]: {n} tokens, more than the model's context of {bounds.max_tokens} "
+                             "(its max_position_embeddings)")
+        total, cells = total + n * TOKEN_BYTES, cells + n
+        for name, tensor in datum.loss_fn_inputs.items():
+            where = f"data[{i}].loss_fn_inputs[{name!r}]"
+            shape, itemsize = _shape(tensor, where), _dtype(tensor, where).itemsize
+            if bounds.vocab_size is not None and len(shape) == 2 and shape[1] > bounds.vocab_size:
+                raise ValueError(f"{where}: shape {shape} has {shape[1]} candidates a position, more than "
+                                 f"the model's vocabulary of {bounds.vocab_size} tokens")
+            size = math.prod(shape) if shape else len(tensor.dense) // itemsize
+            total, cells = total + size * itemsize, cells + size
+    if total > bounds.max_bytes:
+        raise ValueError(f"the request's {len(message.data)} datums expand to {cells} cells ({total} bytes) "
+                         f"dense; the limit is {bounds.max_bytes} bytes (`{MAX_REQUEST_BYTES_SETTING}`): "
+                         "send fewer or smaller datums in one call")
 
 
 def _datum(index: int, datum: pb.Datum) -> tt.Datum:
@@ -107,14 +146,9 @@ def _frombuffer(data: bytes, dtype: np.dtype, where: str) -> np.ndarray:
 
 def _tensor(tensor: pb.Tensor, where: str) -> np.ndarray:
     """A request tensor as a dense, writable array; a sparse CSR one is densified with 0 in every
-    unlisted cell, as the SDK's ``TensorData.to_numpy()`` does by default."""
-    dtype = _REQUEST_DTYPES.get(tensor.dtype)
-    if dtype is None:
-        name = pb.DType.Name(tensor.dtype) if tensor.dtype in pb.DType.values() else str(tensor.dtype)
-        raise ValueError(f"{where}: dtype {name} is not accepted; send float32 or int64")
-    shape = [int(s) for s in tensor.shape]
-    if any(s < 0 for s in shape):
-        raise ValueError(f"{where}: negative shape {shape}")
+    unlisted cell, as the SDK's ``TensorData.to_numpy()`` does by default (its size checked
+    already: ``check_bounds``)."""
+    dtype, shape = _dtype(tensor, where), _shape(tensor, where)
     if tensor.WhichOneof("encoding") == "sparse_csr":
         return _densify(tensor.sparse_csr, dtype, shape, where)
     values = _frombuffer(tensor.dense, dtype, where)
@@ -125,12 +159,25 @@ def _tensor(tensor: pb.Tensor, where: str) -> np.ndarray:
     return values.reshape(shape).copy()
 
 
+def _dtype(tensor: pb.Tensor, where: str) -> np.dtype:
+    dtype = _REQUEST_DTYPES.get(tensor.dtype)
+    if dtype is None:
+        name = pb.DType.Name(tensor.dtype) if tensor.dtype in pb.DType.values() else str(tensor.dtype)
+        raise ValueError(f"{where}: dtype {name} is not accepted; send float32 or int64")
+    return dtype
+
+
+def _shape(tensor: pb.Tensor, where: str) -> list[int]:
+    shape = [int(s) for s in tensor.shape]
+    if any(s < 0 for s in shape):
+        raise ValueError(f"{where}: negative shape {shape}")
+    return shape
+
+
 def _densify(csr: pb.SparseCsr, dtype: np.dtype, shape: list[int], where: str) -> np.ndarray:
     if len(shape) != 2:
         raise ValueError(f"{where}: a sparse CSR tensor needs a 2-D shape, not {shape}")
     rows, cols = shape
-    if rows * cols > MAX_DENSE_ELEMENTS:
-        raise ValueError(f"{where}: shape {shape} is over {MAX_DENSE_ELEMENTS} elements")
     values = _frombuffer(csr.values, dtype, where)
     crow = _frombuffer(csr.crow_indices, np.dtype("<i8"), f"{where} crow_indices")
     col = _frombuffer(csr.col_indices, np.dtype("<i8"), f"{where} col_indices")

@@ -26,7 +26,7 @@ from loopline.common.contracts.tinker_schemas import LoraSpec
 from loopline.ml.adapters.io import read_tensors, write_adapter
 
 from . import adapter_files, lora_layers
-from .batching import build, default_micro_batch_tokens, micro_batches
+from .batching import build, default_micro_batch_tokens, micro_batches, width_of
 from .losses import Loss, check_data, resolve, without_gradient
 from .types import PassResult, UserError
 
@@ -58,11 +58,16 @@ class Client:
     steps: int = 0
 
 
+MAX_CLIENTS_SETTING = "LOOPLINE_TINKER_MAX_CLIENTS"
+
+
 class TrainingClients:
-    def __init__(self, base: ResidentBase | str | Path, *, micro_batch_tokens: int | None = None):
+    def __init__(self, base: ResidentBase | str | Path, *, micro_batch_tokens: int | None = None,
+                 max_clients: int | None = None):
         self.base = base if isinstance(base, ResidentBase) else ResidentBase(base)
         self.layers = lora_layers.wrap_targets(self.base.model)
         self.micro_batch_tokens = micro_batch_tokens or default_micro_batch_tokens(self.base.vocab_size)
+        self.max_clients = max_clients  # None: as many as memory holds
         self._clients: dict[str, Client] = {}
         self._lock = threading.Lock()
 
@@ -92,6 +97,11 @@ class TrainingClients:
                     layer.remove(client.adapter)
 
     def _add(self, model_id: str, lora: LoraSpec) -> Client:
+        # Before the adapter is made: every client's LoRA and AdamW state share this process.
+        if self.max_clients is not None and len(self._clients) >= self.max_clients:
+            raise UserError(f"this session worker holds {len(self._clients)} training clients; the limit "
+                            f"is {self.max_clients} (`{MAX_CLIENTS_SETTING}`): create it once an idle "
+                            "one is released (`LOOPLINE_TINKER_IDLE_TTL_S`)")
         leaves = lora_layers.target_leaves(lora)
         paths = sorted(p for p in self.layers if p.rsplit(".", 1)[-1] in leaves)
         absent = sorted(set(leaves) - {p.rsplit(".", 1)[-1] for p in paths})
@@ -192,11 +202,13 @@ class TrainingClients:
         32 datums of ~50 tokens of which 24 have zero advantages (math_rl: most groups' rewards are
         equal), 7.0-7.1 s all through backward, 4.5-4.6 s so."""
         lengths = [d.model_input.length for d in data]
+        widths = [width_of(a) for a in arrays]
         inert = set(range(len(data))) if forward_only else without_gradient(loss, arrays)
         passes: list[tuple[list[int], bool]] = []
         for backward, members in ((True, [i for i in range(len(data)) if i not in inert]),
                                   (False, sorted(inert))):
-            for group in micro_batches([lengths[i] for i in members], self.micro_batch_tokens):
+            for group in micro_batches([lengths[i] for i in members], self.micro_batch_tokens,
+                                       [widths[i] for i in members]):
                 passes.append(([members[j] for j in group], backward))
         return passes
 
@@ -214,7 +226,8 @@ class TrainingClients:
         for backward in (True, False):
             pool = items[backward]
             lengths = [share.call.data[i].model_input.length for share, i in pool]
-            for group in micro_batches(lengths, self.micro_batch_tokens):
+            widths = [width_of(share.arrays[i]) for share, i in pool]
+            for group in micro_batches(lengths, self.micro_batch_tokens, widths):
                 rows = sorted((pool[j] for j in group), key=lambda item: order[id(item[0])])
                 passes.append((rows, backward))
         return passes

@@ -294,7 +294,8 @@ async def run(rt: Runtime, settings: TinkerWorkerSettings) -> None:
     # 1. Load the base model once (a signal meanwhile cancels the start: the runtime).
     log.info("session worker %s: loading %s from %s", settings.tinker_worker_id, settings.tinker_base_model,
              settings.tinker_model_path)
-    clients = await asyncio.to_thread(TrainingClients, settings.tinker_model_path)
+    clients = await asyncio.to_thread(TrainingClients, settings.tinker_model_path,
+                                      max_clients=settings.tinker_max_clients)
 
     # 2. Connect; the shared records.
     nc, js = await rt.connect()

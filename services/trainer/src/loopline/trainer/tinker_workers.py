@@ -94,6 +94,8 @@ class SessionWorkers:
                "LOOPLINE_TINKER_WORKER_ID": worker.worker_id, "LOOPLINE_TINKER_BASE_MODEL": base_model,
                "LOOPLINE_TINKER_MODEL_PATH": model_path,
                "LOOPLINE_TINKER_IDLE_TTL_S": str(settings.tinker_idle_ttl_s),
+               "LOOPLINE_TINKER_MAX_REQUEST_BYTES": str(settings.tinker_max_request_bytes),
+               "LOOPLINE_TINKER_MAX_CLIENTS": str(settings.tinker_max_clients),
                "LOOPLINE_REPLICA_ID": worker.worker_id[:12],
                "LOOPLINE_METRICS_PORT": "0"}
         if settings.tinker_shared_passes is not None:

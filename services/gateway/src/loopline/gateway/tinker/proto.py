@@ -1,9 +1,10 @@
 """The tinker SDK 0.38's protobuf bodies as the gateway handles them.
 
     request   ``POST /api/v1/forward_backward``: a ``ForwardBackwardRequest`` (zstd when the server's
-              ``client/config`` turned ``proto_compress_fwdbwd`` on). The gateway undoes the zstd
-              and reads only the routing fields (``route_of``); the session worker parses the rest,
-              once (loopline.tinker_worker.proto).
+              ``client/config`` turned ``proto_compress_fwdbwd`` on). The gateway undoes the zstd,
+              reads the routing fields (``route_of``) and sizes the data from its shapes
+              (``dense_size``); the session worker decodes the data, once
+              (loopline.tinker_worker.proto).
     results   ``retrieve_future`` with ``Accept: application/x-protobuf``: a sample's
               ``SampleResponse``, encoded here and decoded by the SDK's ``response_conv`` (a
               forward_backward's ``ForwardBackwardOutput`` comes encoded from the worker)
@@ -15,6 +16,7 @@ a ``ValueError`` that names the part at fault, so the gateway answers it with a 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -33,6 +35,10 @@ from tinker.proto import tinker_public_pb2 as pb
 # forward_backward calls at 5 MB of serialized proto (ClientConfigResponse), so 256 MiB is far above
 # any honest body.
 MAX_BODY_BYTES = 256 << 20
+# Bytes a cell of a request tensor, by dtype (the SDK writes float32 and int64; the worker refuses
+# others, and they are sized as the widest here); a model input token is an int32.
+_CELL_BYTES = {pb.DTYPE_FLOAT32: 4, pb.DTYPE_INT64: 8}
+_TOKEN_BYTES = 4
 # An empty cell of a TopkLogprobs matrix (tinker.types.topk_logprobs.MASK_LOGPROB).
 TOPK_EMPTY = (0, -99999.0)
 
@@ -102,6 +108,35 @@ def route_of(body: bytes) -> tuple[str, int | None]:
     if message.seq_id < 0:
         raise ValueError(f"seq_id must be 1 or more, not {message.seq_id}")
     return message.model_id, message.seq_id or None
+
+
+@dataclass(frozen=True)
+class DenseSize:
+    """What a forward_backward body's data would be, every tensor dense."""
+
+    datums: int
+    cells: int
+    bytes: int
+
+
+def dense_size(body: bytes) -> DenseSize:
+    """The size of a forward_backward body's tokens and loss inputs once densified, read from
+    token lengths and shapes alone (a sparse tensor claims its shape whatever it stores)."""
+    message = pb.ForwardBackwardRequest()
+    try:
+        message.ParseFromString(body)
+    except DecodeError as e:
+        raise ValueError(f"the body is not a tinker ForwardBackwardRequest: {e}") from e
+    cells = size = 0
+    for datum in message.data:
+        tokens = sum(len(chunk.encoded_text.tokens) // _TOKEN_BYTES for chunk in datum.model_input)
+        cells, size = cells + tokens, size + tokens * _TOKEN_BYTES
+        for tensor in datum.loss_fn_inputs.values():
+            itemsize = _CELL_BYTES.get(tensor.dtype, 8)
+            count = math.prod(max(0, int(s)) for s in tensor.shape) if tensor.shape else \
+                len(tensor.dense) // itemsize
+            cells, size = cells + count, size + count * itemsize
+    return DenseSize(len(message.data), cells, size)
 
 
 def encode_sample_response(sequences: Sequence[SampledSeq],

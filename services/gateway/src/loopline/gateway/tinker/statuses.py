@@ -8,6 +8,9 @@ MODEL = "no such training client (model_id)"
 CALL = {400: BODY, 404: MODEL, 429: "the Tinker call queue is full: retry later",
         503: "the message bus did not take the call: retry"}
 SESSION = {410: "no such session (the SDK stops its heartbeat)"}
+MODELS_QUOTA = ("this key (all clients together, without keys) holds "
+                "`LOOPLINE_MAX_TINKER_MODELS_PER_KEY` live training clients, until one idles out "
+                "(`x-should-retry: false`)")
 QUOTA = ("this key (or client address, without keys) created `LOOPLINE_MAX_TINKER_SESSIONS_PER_KEY` "
          "sessions and sampling sessions within `LOOPLINE_TINKER_SESSIONS_MAX_AGE_S` at this gateway: "
          "retry after `Retry-After`; or the key is over its request rate or queue share")

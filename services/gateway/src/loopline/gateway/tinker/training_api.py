@@ -34,12 +34,13 @@ from loopline.gateway.auth.api_keys import api_key_of
 from loopline.gateway.auth.scopes import ANY_KEY, TRAINING, allows
 from loopline.gateway.auth.tenancy import owner_of, sees, tenant_of
 from loopline.gateway.core.errors import ApiError
+from loopline.gateway.core.limits import over_limit
 from loopline.gateway.core.route_spec import TRAINER, declare
 from loopline.gateway.gateway import gateway_of
 from loopline.gateway.tinker import proto
 from loopline.gateway.tinker.bodies import json_object, parse
 from loopline.gateway.tinker.sampling_api import wait_sample
-from loopline.gateway.tinker.statuses import BODY, CALL, MODEL, QUOTA, SESSION
+from loopline.gateway.tinker.statuses import BODY, CALL, MODEL, MODELS_QUOTA, QUOTA, SESSION
 
 router = APIRouter(prefix="/api/v1")
 
@@ -104,7 +105,7 @@ async def telemetry() -> dict[str, Any]:
     400: f"{BODY}; no lora_config; an optimizer other than AdamW; a rank above the largest served; "
          "train_unembed on a model whose vLLM class serves no LoRA on lm_head; train_mlp on a "
          "mixture of experts served on CPU",
-    404: "the base model is not served here", **SESSION, **TRAINER}))
+    404: "the base model is not served here", 429: MODELS_QUOTA, **SESSION, **TRAINER}))
 async def create_model(request: Request) -> dict[str, Any]:
     body = await parse(request, tt.CreateModelRequest)
     tinker = gateway_of(request).tinker
@@ -119,6 +120,7 @@ async def create_model(request: Request) -> dict[str, Any]:
     _check_unembed(info, body.lora_config.train_unembed)
     _check_mlp(info, body.lora_config.train_mlp)
     model_id = tinker_names.model_id(body.session_id, body.model_seq_id)
+    await _check_live_models(request, model_id)
     model = TinkerModel(model_id=model_id, session_id=body.session_id, base_model=info.model,
                         model_path=info.model_path or info.model, model_name=body.base_model,
                         owner=owner_of(request),
@@ -160,6 +162,25 @@ def _check_mlp(info: DeploymentInfo, train_mlp: bool) -> None:
                             "the training client with train_mlp=False", param="lora_config.train_mlp")
 
 
+async def _check_live_models(request: Request, model_id: str) -> None:
+    """Before a new training client is placed: its key's live ones are under the limit (a retried
+    create of one already placed is not a new one)."""
+    gateway = gateway_of(request)
+    limit = gateway.settings.max_tinker_models_per_key
+    owner = owner_of(request)
+    live = [m.model_id for m in await gateway.tinker.store.models()
+            if m.state == "active" and m.owner == owner and m.model_id != model_id]
+    if len(live) >= limit:
+        holder = "the clients of this server (no API keys)" if owner is None else f"key {owner!r}"
+        error = over_limit(429, f"{holder} holds {len(live)} live training clients; one is "
+                                "released once idle for `LOOPLINE_TINKER_IDLE_TTL_S` (its state is kept "
+                                "only if saved), then another can be created", limit,
+                           "max_tinker_models_per_key")
+        # The SDK retries a 429 for about a minute (measured: 57 s); a slot frees in an idle-out.
+        error.headers["x-should-retry"] = "false"
+        raise error
+
+
 async def _place(request: Request, model: TinkerModel, first: StepCall) -> TinkerModel:
     gateway = gateway_of(request)
     return await gateway.trainer.call(subjects.SVC_TRAINER_TINKER_PLACE, PlaceModel(model=model, first=first),
@@ -179,19 +200,27 @@ async def get_info(request: Request) -> dict[str, Any]:
 
 # --- training calls ------------------------------------------------------------------------------
 @router.post("/forward_backward", **declare(TRAINING, {
-    **CALL, 400: "not a ForwardBackwardRequest, or its zstd does not decode",
+    **CALL, 400: "not a ForwardBackwardRequest, or its zstd does not decode; its data would expand past "
+                 "`LOOPLINE_TINKER_MAX_REQUEST_BYTES` dense",
     415: "the body is not protobuf (application/x-protobuf)"}))
 async def forward_backward(request: Request) -> dict[str, Any]:
     gateway = gateway_of(request)
     if request.headers.get("content-type", "").split(";")[0].strip() != PROTO:
         raise ApiError(415, f"forward_backward takes a protobuf body ({PROTO}), as tinker>=0.25 sends")
     try:
-        # zstd undone here, once, and only the routing fields read: the worker parses the rest.
+        # zstd undone here, once; the routing fields read, and the data sized from its shapes (a
+        # parse of at most max_body_bytes, nothing densified): the worker decodes the data.
         data = proto.request_body(await request.body(), request.headers.get("content-encoding"),
                                   gateway.settings.max_body_bytes)
         model_id, seq_id = proto.route_of(data)
+        size = proto.dense_size(data)
     except ValueError as exc:
         raise ApiError(400, f"not a ForwardBackwardRequest: {exc}") from None
+    # Before it is published: the worker would refuse it too, but only after the client waited.
+    if size.bytes > gateway.settings.tinker_max_request_bytes:
+        raise over_limit(400, f"the request's {size.datums} datums expand to {size.cells} cells "
+                              f"({size.bytes} bytes) dense", gateway.settings.tinker_max_request_bytes,
+                         "tinker_max_request_bytes")
     model = await gateway.tinker.model(model_id, tenant_of(request))
     call = StepCall(request_id=tinker_names.request_id(model.model_id, seq_id, "forward_backward"),
                     model_id=model.model_id, seq_id=seq_id, kind="forward_backward")
@@ -244,7 +273,7 @@ def _check_name(name: str | None) -> None:
 
 @router.post("/load_weights", **declare(TRAINING, {
     **CALL, 400: f"{BODY}; not a tinker path of this server", 404: f"{MODEL}, or no such checkpoint",
-    **SESSION, **TRAINER}))
+    429: f"{CALL[429]}; or, for a new training client, {MODELS_QUOTA}", **SESSION, **TRAINER}))
 async def load_weights(request: Request) -> dict[str, Any]:
     body = await parse(request, tt.LoadWeightsRequest)
     tinker = gateway_of(request).tinker
@@ -263,6 +292,7 @@ async def load_weights(request: Request) -> dict[str, Any]:
     await _session(request, body.session_id)
     origin = await tinker.model(path.model_id, tenant_of(request))
     model_id = tinker_names.model_id(body.session_id, body.model_seq_id)
+    await _check_live_models(request, model_id)
     model = origin.model_copy(update={
         "model_id": model_id, "session_id": body.session_id, "worker_id": "", "state": "active",
         "owner": owner_of(request),
