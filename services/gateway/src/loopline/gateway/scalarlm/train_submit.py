@@ -130,6 +130,6 @@ async def submit_archive(request: Request, source: Path | IO[bytes], params: Tra
         info = await trainer.submit(JobSubmit(
             job_hash=job_hash, params=params, dataset_sha256=archive.dataset_sha256,
             dataset_bytes=archive.dataset_bytes, examples=archive.examples,
-            code_sha256=archive.code_sha256, owner=owner,
+            code_sha256=archive.code_sha256, owner=owner, admin=tenant_of(request) is None,
         ))
     return respond(request, info)
