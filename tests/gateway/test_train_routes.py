@@ -17,7 +17,7 @@ from masint.cli import view_logs
 
 from loopline.common.contracts import subjects
 from loopline.common.contracts.job_hash import job_hash as hash_job
-from loopline.common.contracts.job_layout import CODE_DIR, DATASET_FILE, EVENTS_FILE
+from loopline.common.contracts.job_layout import CODE_DIR, DATASET_FILE, EVENTS_FILE, STATUS_FILE
 from loopline.common.contracts.job_schemas import ClusterInfo, JobInfo, JobRef
 from loopline.common.contracts.train_params import JobConfig, canonical
 from loopline.trainer.jobdir import control_dir, log_name, log_path
@@ -277,6 +277,28 @@ def test_logs_follow_a_running_job_until_it_ends(llm, http, trainer):
     assert written[-1] == "standin: completed"
     snapshot = http.get(f"/v1/megatron/train/logs/{job_hash}", params={"follow": "false"})
     assert [json.loads(x)["line"] for x in snapshot.text.splitlines()] == written
+
+
+def test_a_jobs_history_and_log_come_in_pages(llm, http, trainer):
+    job_hash = llm.train(EXAMPLES, train_args={"max_steps": 2})["job_status"]["model_name"]
+    done = wait_job(http, job_hash, "COMPLETED")
+    job_dir = trainer.job_dir(job_hash)
+    points = [{"step": i, "loss": 1.0} for i in range(3000)]
+    (job_dir / STATUS_FILE).write_text(json.dumps({"status": "COMPLETED", "history": points}))
+    newest = http.get(f"/v1/megatron/train/{job_hash}").json()["job_status"]
+    assert (newest["history_total"], newest["history_offset"], len(newest["history"])) == (3000, 1976, 1024)
+    page = http.get(f"/v1/megatron/train/{job_hash}", params={"history_offset": 5, "history_limit": 3})
+    assert [p["step"] for p in page.json()["job_status"]["history"]] == [5, 6, 7]
+    refused = http.get(f"/v1/megatron/train/{job_hash}", params={"history_limit": 5000})
+    assert refused.status_code == 422 and "LOOPLINE_MAX_HISTORY_POINTS" in refused.text
+    # 40 lines of 60 KB: more than one reply of the trainer's (LOOPLINE_MAX_LOG_PAGE_BYTES); the
+    # stream asks again for the rest rather than ending at a short page.
+    with log_path(job_dir, "local", done["job_id"]).open("a") as log:
+        log.writelines(f"{i} {'z' * 60_000}\n" for i in range(40))
+    snapshot = http.get(f"/v1/megatron/train/logs/{job_hash}", params={"follow": "false"})
+    lines = [json.loads(x) for x in snapshot.text.splitlines()]
+    assert [x["line"].split(" ")[0] for x in lines[-40:]] == [str(i) for i in range(40)]
+    assert [x["line_number"] for x in lines] == list(range(len(lines)))
 
 
 def test_no_trainer_is_503(http, trainer):

@@ -12,7 +12,14 @@ import tarfile
 
 import pytest
 
-from loopline.common.contracts.job_layout import CODE_DIR, ENTRYPOINT_FILE, EVENTS_FILE, STATUS_FILE
+from loopline.common.contracts.job_layout import (
+    CHECKPOINTS_DIR,
+    CODE_DIR,
+    ENTRYPOINT_FILE,
+    EVENTS_FILE,
+    STATUS_FILE,
+    checkpoint_name,
+)
 from loopline.trainer import jobdir
 from loopline.trainer.errors import InvalidRequest
 from loopline.trainer.models import resolve_model_path
@@ -225,3 +232,70 @@ def test_model_paths_follow_resolve_model_without_torch(tmp_path):
     (models / "tiny").mkdir()
     assert resolve_model_path("loopline/tiny", models) == str(models / "tiny")
     assert resolve_model_path("org/unknown-model", models) == "org/unknown-model"
+
+
+# --- what a job writes is read with a bound ---------------------------------------------------------
+GiB = 1024 ** 3
+
+
+def sparse_append(path, size: int, then: bytes = b"") -> None:
+    """``size`` zero bytes (a hole: no disk, no reading) with no newline at the end of ``path``,
+    then ``then``."""
+    with open(path, "ab") as f:
+        f.truncate(f.seek(0, os.SEEK_END) + size)
+        f.seek(0, os.SEEK_END)
+        f.write(then)
+
+
+def test_a_status_over_its_limit_is_refused_without_being_read(tmp_path):
+    (tmp_path / STATUS_FILE).write_text(json.dumps({"status": "TRAINING", "step": 3}))
+    assert jobdir.read_status(tmp_path, max_bytes=1024) == {"status": "TRAINING", "step": 3}
+    sparse_append(tmp_path / STATUS_FILE, 64 * GiB)
+    with pytest.raises(jobdir.OverLimit, match="LOOPLINE_MAX_STATUS_BYTES"):
+        jobdir.read_status(tmp_path, max_bytes=1024)
+    # A restart starts from a bare QUEUED rather than reading it.
+    jobdir.mark_requeued(tmp_path, max_bytes=1024)
+    assert jobdir.read_status(tmp_path, max_bytes=1024)["status"] == "QUEUED"
+    (tmp_path / STATUS_FILE).write_text("[" * 100_000 + "]" * 100_000)  # deeper than json goes
+    assert jobdir.read_status(tmp_path) is None
+
+
+def test_an_events_line_over_its_limit_stops_the_reading_and_is_passed_over_at_the_end(tmp_path):
+    jobdir.append_event(tmp_path, "queued")
+    first, after_first = jobdir.read_events(tmp_path, 0, 10, max_line_bytes=1024)
+    assert len(first) == 1
+    jobdir.append_event(tmp_path, "started")
+    sparse_append(tmp_path / EVENTS_FILE, 64 * GiB)  # a line of 64 GiB, no newline
+    # The line before it is read; at the long one the reading stops, having held 1 KiB of it.
+    lines, offset = jobdir.read_events(tmp_path, after_first, 10, max_line_bytes=1024)
+    assert [json.loads(line)["kind"] for line in lines] == ["started"]
+    with pytest.raises(jobdir.OverLimit, match="LOOPLINE_MAX_EVENT_LINE_BYTES"):
+        jobdir.read_events(tmp_path, offset, 10, max_line_bytes=1024)
+    # The trainer's own last line is a line of its own after it, found across the hole at once.
+    end = jobdir.append_event(tmp_path, "failed", error="too long")
+    assert jobdir.find_event(tmp_path, offset, "failed", max_line_bytes=1024) == end
+    lines, last = jobdir.read_events(tmp_path, offset, 10, until=end, max_line_bytes=1024, skip_long=True)
+    assert lines[0] == b"" and json.loads(lines[1])["kind"] == "failed" and last == end
+    assert jobdir.events_end(tmp_path, max_line_bytes=1024) == (4, end)
+
+
+def test_a_log_line_over_its_limit_is_cut_with_a_note_and_the_next_lines_keep_their_numbers(tmp_path):
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    log = jobdir.log_path(job_dir, "local", "1")
+    jobdir.make_control_dir(job_dir)
+    log.write_bytes(b"first\n" + b"x" * 5000 + b"\n")
+    sparse_append(log, 64 * GiB, b"still the third line\nfourth\n")
+    lines = list(jobdir.log_lines(job_dir, 0, 10, max_line_bytes=1000))
+    assert [n for n, _ in lines] == [0, 1, 2, 3] and lines[0][1] == "first" and lines[3][1] == "fourth"
+    assert lines[1][1].startswith("x" * 1000 + " [... line cut: 5000 bytes")
+    assert "LOOPLINE_MAX_LOG_LINE_BYTES" in lines[1][1]
+    assert lines[2][1].startswith("\0" * 1000 + f" [... line cut: {64 * GiB + 20} bytes")
+    assert list(jobdir.log_lines(job_dir, 3, 10, max_line_bytes=1000)) == [(3, "fourth")]
+
+
+def test_only_the_newest_checkpoints_are_kept_when_asked(tmp_path):
+    for step in (5, 1, 9, 3):
+        (tmp_path / CHECKPOINTS_DIR / checkpoint_name(step)).mkdir(parents=True)
+    assert [step for step, _, _ in jobdir.checkpoints(tmp_path, newest=2)] == [5, 9]
+    assert [step for step, _, _ in jobdir.checkpoints(tmp_path)] == [1, 3, 5, 9]

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from loopline.common.contracts import subjects
 from loopline.common.contracts.job_schemas import (
     ClusterInfo,
+    JobInfo,
     JobList,
     JobListRequest,
     JobRef,
@@ -31,8 +32,9 @@ from loopline.common.contracts.tinker_schemas import PlaceModel, TinkerWorkerLis
 from loopline.trainer import jobdir
 from loopline.trainer.control import JobControl
 from loopline.trainer.errors import InvalidRequest, TrainerError, Unavailable
-from loopline.trainer.info import job_info
+from loopline.trainer.info import job_info, list_info
 from loopline.trainer.launchers import LauncherError
+from loopline.trainer.registry import Job
 from loopline.trainer.tinker_workers import SessionWorkers
 
 log = logging.getLogger(__name__)
@@ -81,42 +83,46 @@ class Endpoints:
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout_s)
 
+    def _info(self, job: Job, ref: JobRef | None = None) -> Awaitable[JobInfo]:
+        """The job's reply: one page of its history (``ref``'s, or its newest points)."""
+        offset, limit = (None, None) if ref is None else (ref.history_offset, ref.history_limit)
+        return asyncio.to_thread(job_info, job, self.control.limits, history_offset=offset,
+                                 history_limit=limit)
+
     async def submit(self, req: Request) -> BaseModel:
         job = await self.control.submit(_parse(req, JobSubmit))
-        return await asyncio.to_thread(job_info, job)
+        return await self._info(job)
 
     async def get(self, req: Request) -> BaseModel:
         ref = _parse(req, JobRef)
         job = await self.control.find(ref.job, ref.owner)
-        return await asyncio.to_thread(job_info, job)
+        return await self._info(job, ref)
 
     async def list(self, req: Request) -> BaseModel:
         owner = _parse(req, JobListRequest).owner
         jobs = await asyncio.to_thread(self.control.registry.list, owner)
-        return JobList(jobs=await asyncio.to_thread(lambda: [job_info(job) for job in jobs]))
+        limits = self.control.limits
+        return JobList(jobs=await asyncio.to_thread(lambda: [list_info(job, limits) for job in jobs]))
 
     async def cancel(self, req: Request) -> BaseModel:
         job = await self.control.cancel(_parse(req, JobRef).job)
-        return await asyncio.to_thread(job_info, job)
+        return await self._info(job)
 
     async def delete(self, req: Request) -> BaseModel:
         job = await self.control.delete(_parse(req, JobRef).job)
-        return await asyncio.to_thread(job_info, job)
+        return await self._info(job)
 
     async def restart(self, req: Request) -> BaseModel:
         job = await self.control.restart(_parse(req, JobRef).job)
-        return await asyncio.to_thread(job_info, job)
+        return await self._info(job)
 
     async def logs(self, req: Request) -> BaseModel:
         request = _parse(req, LogsRequest)
         if request.starting_line_number < 0 or request.limit < 0:
             raise InvalidRequest("starting_line_number and limit must not be negative")
         job = await self.control.find(request.job, request.owner)
-        start, limit = request.starting_line_number, request.limit
-        lines = await asyncio.to_thread(
-            lambda: [LogLine(line_number=n, line=text)
-                     for n, text in jobdir.log_lines(job.job_dir, start, limit)])
-        return LogLines(job_hash=job.job_hash, lines=lines, finished=job.status.finished)
+        lines, more = await asyncio.to_thread(log_page, job, request, self.control.limits)
+        return LogLines(job_hash=job.job_hash, lines=lines, finished=job.status.finished, more=more)
 
     async def squeue(self, req: Request) -> BaseModel:
         owner = _parse(req, JobListRequest).owner
@@ -148,6 +154,22 @@ class Endpoints:
         counts = await asyncio.to_thread(self.control.registry.counts)
         return {"launcher": self.control.launcher.name, "jobs_dir": str(self.control.jobs_dir),
                 "jobs": counts}
+
+
+def log_page(job: Job, request: LogsRequest, limits: jobdir.ReadLimits) -> tuple[list[LogLine], bool]:
+    """The request's lines, as many as fit LOOPLINE_MAX_LOG_PAGE_BYTES (as JSON; the first always
+    does: a line is at most LOOPLINE_MAX_LOG_LINE_BYTES of the log), and whether more are there."""
+    lines: list[LogLine] = []
+    size = 0
+    found = jobdir.log_lines(job.job_dir, request.starting_line_number, request.limit + 1,
+                             limits.max_log_line_bytes)
+    for number, text in found:
+        line = LogLine(line_number=number, line=text)
+        size += len(line.model_dump_json()) + 1
+        if len(lines) == request.limit or (lines and size > limits.max_log_page_bytes):
+            return lines, True
+        lines.append(line)
+    return lines, False
 
 
 def _parse(req: Request, model: type[BaseModel]):

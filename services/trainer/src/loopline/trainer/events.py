@@ -26,8 +26,10 @@ from loopline.trainer.registry import Job, Registry
 
 log = logging.getLogger(__name__)
 
-# Lines read and published before the cursor is stored (bounds what a crash can republish).
+# Lines read and published before the cursor is stored (bounds what a crash can republish), and
+# about the most bytes of them held at once (at least one line is, up to its limit).
 BATCH_LINES = 256
+BATCH_BYTES = 4 * 1024 * 1024
 
 STATUS_OF_KIND = {
     "queued": JobStatus.QUEUED,
@@ -63,23 +65,28 @@ def event_from_line(job_hash: str, seq: int, line: bytes) -> JobEvent | None:
             hub=HubPush.model_validate(raw["hub"]) if raw.get("hub") else None,
             **fields,
         )
-    except (ValueError, ValidationError) as exc:
+    except (ValueError, ValidationError, RecursionError) as exc:
         log.warning("job %s: events.jsonl line %d is not an event, skipped: %s", job_hash, seq, exc)
         return None
 
 
 class EventPublisher:
-    def __init__(self, js: JetStreamContext, registry: Registry):
+    def __init__(self, js: JetStreamContext, registry: Registry,
+                 limits: jobdir.ReadLimits = jobdir.DEFAULT_LIMITS):
         self.js = js
         self.registry = registry
+        self.max_line_bytes = limits.max_event_line_bytes
 
     async def publish_pending(self, job: Job, until: int | None = None) -> Job:
         """Publish every complete line after the job's cursor (up to byte ``until``, where the job's
         last event ends: reaching it marks its events done); returns the job with its cursor moved.
-        Raises bus.BusUnavailable when NATS does not acknowledge (the cursor stays where it was)."""
+        Raises bus.BusUnavailable when NATS does not acknowledge (the cursor stays where it was), and
+        jobdir.OverLimit at a line longer than the limit (then the job is failed, and its last lines
+        are published with ``until``, passing over such lines)."""
         while True:
-            lines, offset = await asyncio.to_thread(jobdir.read_events, job.job_dir, job.events_offset,
-                                                    BATCH_LINES, until)
+            lines, offset = await asyncio.to_thread(
+                jobdir.read_events, job.job_dir, job.events_offset, BATCH_LINES, until,
+                max_line_bytes=self.max_line_bytes, max_bytes=BATCH_BYTES, skip_long=until is not None)
             if not lines:
                 return job
             seq = job.events_seq
@@ -105,7 +112,8 @@ class EventPublisher:
         including the last one, writing that first if a crash came between marking the job finished
         and writing it. What the run wrote after it (a checkpoint on its way out) is not published."""
         kind = FINAL_KIND[job.status]
-        end = await asyncio.to_thread(jobdir.find_event, job.job_dir, job.events_offset, kind)
+        end = await asyncio.to_thread(jobdir.find_event, job.job_dir, job.events_offset, kind,
+                                      self.max_line_bytes)
         if end is None:
             end = await asyncio.to_thread(jobdir.append_event, job.job_dir, kind, status=job.status.value,
                                           step=job.step, error=job.error)

@@ -15,6 +15,7 @@ Nothing here talks to NATS or SQL.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import json
 import os
 import re
@@ -26,10 +27,12 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO
 
 from loopline.common.atomic_files import replace_dir, write_atomic
+from loopline.common.config.settings import TrainerSettings
 from loopline.common.contracts.job_env import JobUser
 from loopline.common.contracts.job_layout import (
     CHECKPOINTS_DIR,
@@ -40,7 +43,7 @@ from loopline.common.contracts.job_layout import (
     checkpoint_step,
 )
 from loopline.common.contracts.train_params import JobConfig
-from loopline.trainer import nofollow
+from loopline.trainer import bounded, nofollow
 from loopline.trainer.errors import InvalidRequest
 
 MAX_CODE_MEMBERS = 10_000
@@ -53,6 +56,36 @@ SECRET_ENV_FILE = "secret.env"
 JOB_DIR_MODE = 0o2750
 # One job given its uid at a time: two must not pick the same free one.
 _GIVING = threading.Lock()
+
+
+def _default(field: str) -> int:
+    return TrainerSettings.model_fields[field].default
+
+
+@dataclass(frozen=True)
+class ReadLimits:
+    """How much of what a job writes the trainer reads (TrainerSettings' fields of these names)."""
+
+    max_status_bytes: int = _default("max_status_bytes")
+    max_event_line_bytes: int = _default("max_event_line_bytes")
+    max_log_line_bytes: int = _default("max_log_line_bytes")
+    max_log_page_bytes: int = _default("max_log_page_bytes")
+    max_history_points: int = _default("max_history_points")
+
+    @classmethod
+    def of(cls, settings: TrainerSettings) -> ReadLimits:
+        return cls(**{name: getattr(settings, name) for name in cls.__dataclass_fields__})
+
+
+DEFAULT_LIMITS = ReadLimits()
+
+
+class OverLimit(Exception):
+    """A file of the job's is larger than the trainer reads: the job is failed with this reason."""
+
+
+def _setting(field: str) -> str:
+    return f"LOOPLINE_{field.upper()}"
 
 
 def log_name(launcher: str, run_id: str) -> str:
@@ -257,19 +290,29 @@ def _check_code_member(member: tarfile.TarInfo) -> None:
 
 
 # --- reading what the program writes ---------------------------------------------------------------
-def read_status(job_dir: Path) -> dict[str, Any] | None:
-    raw = nofollow.read_file(job_dir / STATUS_FILE)
+def read_status(job_dir: Path, max_bytes: int = DEFAULT_LIMITS.max_status_bytes) -> dict[str, Any] | None:
+    """status.json as a dict (None where missing or not a JSON object); OverLimit, before it is
+    read, where it is larger than ``max_bytes``."""
+    try:
+        raw = nofollow.read_file(job_dir / STATUS_FILE, max_bytes)
+    except bounded.TooLarge as exc:
+        raise OverLimit(f"{STATUS_FILE} holds {exc.size} bytes, more than the trainer reads "
+                        f"({exc.limit}, {_setting('max_status_bytes')})") from None
     try:
         status = json.loads(raw) if raw is not None else None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         return None
     return status if isinstance(status, dict) else None
 
 
-def mark_requeued(job_dir: Path) -> None:
+def mark_requeued(job_dir: Path, max_bytes: int = DEFAULT_LIMITS.max_status_bytes) -> None:
     """Before a restart: status.json still says FAILED (or a stale TRAINING) until the program
-    rewrites it; make it QUEUED so nothing reads the old ending as the new run's."""
-    status = read_status(job_dir)
+    rewrites it; make it QUEUED so nothing reads the old ending as the new run's. One too large to
+    read is replaced by a bare QUEUED: the run starts from its checkpoint and writes its own."""
+    try:
+        status = read_status(job_dir, max_bytes)
+    except OverLimit:
+        status = {}
     if status is None:
         return
     status.update(status="QUEUED", error=None, updated_at=time.time())
@@ -277,54 +320,90 @@ def mark_requeued(job_dir: Path) -> None:
     write_atomic(path, json.dumps(status, indent=1) + "\n", owner=nofollow.owner_of(path))
 
 
-def read_events(job_dir: Path, offset: int, max_lines: int,
-                until: int | None = None) -> tuple[list[bytes], int]:
+def _event_lines(f: BinaryIO, max_line_bytes: int) -> Iterator[tuple[bytes, int]]:
+    """(line, its length in the file) of each complete line from the file's position, an over-long
+    one as b"" (passed over, never held); ends before a line still being written."""
+    while True:
+        line, too_long = bounded.read_line(f, max_line_bytes)
+        if too_long:
+            rest, ended = bounded.skip_line(f)
+            if not ended:
+                return
+            yield b"", len(line) + rest
+        elif line.endswith(b"\n"):
+            yield line, len(line)
+        else:
+            return
+
+
+def read_events(job_dir: Path, offset: int, max_lines: int, until: int | None = None, *,
+                max_line_bytes: int = DEFAULT_LIMITS.max_event_line_bytes, max_bytes: int | None = None,
+                skip_long: bool = False) -> tuple[list[bytes], int]:
     """Complete lines of events.jsonl from byte ``offset`` (a line still being written is left for
-    next time), none ending past ``until``; and the offset just after the last one returned."""
+    next time), none ending past ``until``, about ``max_bytes`` of them at most; and the offset just
+    after the last one returned. A line longer than ``max_line_bytes`` at ``offset`` is OverLimit,
+    found without reading it; with ``skip_long`` (a job already over, its last lines published) it
+    is passed over instead, returned as b"" (no event)."""
+    budget = max_bytes if max_bytes is not None else max_lines * max_line_bytes
     try:
         with nofollow.open_read(job_dir / EVENTS_FILE) as f:
             f.seek(offset)
             lines: list[bytes] = []
-            while len(lines) < max_lines:
-                line = f.readline()
-                if not line.endswith(b"\n") or (until is not None and offset + len(line) > until):
+            held = 0
+            while len(lines) < max_lines and held < budget:
+                start = f.tell()
+                line, too_long = bounded.read_line(f, max_line_bytes)
+                length = len(line)
+                if too_long:
+                    if lines:
+                        break  # its turn comes first in the next batch
+                    if not skip_long:
+                        raise OverLimit(f"the line at byte {start} of {EVENTS_FILE} is longer than "
+                                        f"the trainer reads ({max_line_bytes} bytes, "
+                                        f"{_setting('max_event_line_bytes')})")
+                    rest, ended = bounded.skip_line(f)
+                    if not ended:
+                        break
+                    line, length = b"", length + rest
+                elif not line.endswith(b"\n"):
+                    break
+                if until is not None and start + length > until:
                     break
                 lines.append(line)
-                offset += len(line)
+                held += len(line)
+                offset = start + length
     except FileNotFoundError:
         return [], offset
     return lines, offset
 
 
-def find_event(job_dir: Path, offset: int, kind: str) -> int | None:
-    """The offset just after the first complete line of this kind from ``offset``, if any."""
+def find_event(job_dir: Path, offset: int, kind: str,
+               max_line_bytes: int = DEFAULT_LIMITS.max_event_line_bytes) -> int | None:
+    """The offset just after the first complete line of this kind from ``offset``, if any (an
+    over-long line is passed over: it is not the trainer's)."""
     try:
         with nofollow.open_read(job_dir / EVENTS_FILE) as f:
             f.seek(offset)
-            for line in f:
-                if not line.endswith(b"\n"):
-                    return None
-                offset += len(line)
+            for line, length in _event_lines(f, max_line_bytes):
+                offset += length
                 try:
-                    if json.loads(line).get("kind") == kind:
+                    if line and json.loads(line).get("kind") == kind:
                         return offset
-                except (ValueError, AttributeError):
+                except (ValueError, AttributeError, RecursionError):
                     continue
     except FileNotFoundError:
         pass
     return None
 
 
-def events_end(job_dir: Path) -> tuple[int, int]:
+def events_end(job_dir: Path, max_line_bytes: int = DEFAULT_LIMITS.max_event_line_bytes) -> tuple[int, int]:
     """(complete lines, byte offset after them) of the whole events.jsonl."""
     count = offset = 0
     try:
         with nofollow.open_read(job_dir / EVENTS_FILE) as f:
-            for line in f:
-                if not line.endswith(b"\n"):
-                    break
+            for _line, length in _event_lines(f, max_line_bytes):
                 count += 1
-                offset += len(line)
+                offset += length
     except FileNotFoundError:
         pass
     return count, offset
@@ -340,20 +419,26 @@ def append_event(job_dir: Path, kind: str, **fields: Any) -> int:
     return nofollow.append(path, line, owner=nofollow.owner_of(path))
 
 
-def checkpoints(job_dir: Path) -> list[tuple[int, str, float]]:
-    """(step, path relative to the job directory, mtime) of each finished checkpoint, oldest first.
-    The program renames a checkpoint into place when complete, so a matching name is complete."""
-    found = []
+def checkpoints(job_dir: Path, newest: int | None = None) -> list[tuple[int, str, float]]:
+    """(step, path relative to the job directory, mtime) of each finished checkpoint, oldest first;
+    only the ``newest`` ones when given (a job's code may make a million folders: only those kept
+    are held). The program renames a checkpoint into place when complete, so a matching name is
+    complete."""
+    found: list[tuple[int, str, float]] = []
     try:
         with os.scandir(job_dir / CHECKPOINTS_DIR) as it:
-            entries = list(it)
+            for entry in it:
+                step = checkpoint_step(entry.name)
+                if step is None or not entry.is_dir(follow_symlinks=False):
+                    continue
+                mtime = entry.stat(follow_symlinks=False).st_mtime
+                item = (step, f"{CHECKPOINTS_DIR}/{entry.name}", mtime)
+                if newest is None or len(found) < newest:
+                    heapq.heappush(found, item)
+                elif newest > 0:
+                    heapq.heappushpop(found, item)
     except OSError:
         return []
-    for entry in entries:
-        step = checkpoint_step(entry.name)
-        if step is not None and entry.is_dir(follow_symlinks=False):
-            mtime = entry.stat(follow_symlinks=False).st_mtime
-            found.append((step, f"{CHECKPOINTS_DIR}/{entry.name}", mtime))
     return sorted(found)
 
 
@@ -380,19 +465,31 @@ def log_files(job_dir: Path) -> list[Path]:
     return [path for _, path in sorted(logs, key=lambda item: (item[0][2], item[0][0], item[0][1]))]
 
 
-def _raw_lines(path: Path) -> Iterator[bytes]:
+def _raw_lines(path: Path, max_line_bytes: int) -> Iterator[bytes]:
+    """The log's lines, one longer than ``max_line_bytes`` cut there and noted as cut."""
     try:
         with nofollow.open_read(path) as f:
-            yield from f
+            while True:
+                line, too_long = bounded.read_line(f, max_line_bytes)
+                if not line:
+                    return
+                if too_long:
+                    rest, ended = bounded.skip_line(f)
+                    length = len(line) + rest - int(ended)  # its newline not counted
+                    line = line[:max_line_bytes] + (f" [... line cut: {length} bytes, the log shows "
+                             f"{max_line_bytes} ({_setting('max_log_line_bytes')})]").encode()
+                yield line
     except OSError:
         return
 
 
-def log_lines(job_dir: Path, start: int, limit: int) -> Iterator[tuple[int, str]]:
-    """(line number, text) of the stitched logs from line ``start``, at most ``limit`` lines."""
+def log_lines(job_dir: Path, start: int, limit: int,
+              max_line_bytes: int = DEFAULT_LIMITS.max_log_line_bytes) -> Iterator[tuple[int, str]]:
+    """(line number, text) of the stitched logs from line ``start``, at most ``limit`` lines, each
+    at most ``max_line_bytes`` of the log (and a note where it was cut)."""
     number = 0
     for path in log_files(job_dir):
-        for raw in _raw_lines(path):
+        for raw in _raw_lines(path, max_line_bytes):
             if number >= start:
                 if limit <= 0:
                     return

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from loopline.trainer import bounded
+
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -56,11 +58,12 @@ def open_file(dir_fd: int, name: str, flags: int = os.O_RDONLY, mode: int = 0o60
     return fd
 
 
-def read_file(path: Path) -> bytes | None:
-    """The whole file, or None where it is missing or not a plain file."""
+def read_file(path: Path, max_bytes: int) -> bytes | None:
+    """The whole file, or None where it is missing or not a plain file; bounded.TooLarge, before
+    anything is read, where it holds more than ``max_bytes``."""
     try:
         with folder(path.parent) as dir_fd, os.fdopen(open_file(dir_fd, path.name), "rb") as f:
-            return f.read()
+            return bounded.read_all(f, max_bytes)
     except OSError:
         return None
 
@@ -86,11 +89,13 @@ def open_append(path: Path) -> BinaryIO:
 
 
 def append(path: Path, data: bytes, *, owner: tuple[int, int] | None = None) -> int:
-    """Append ``data`` in one write (O_APPEND), creating the file if missing (given to ``owner``,
-    so the job's program can append to it too); returns the offset just after it. A link, FIFO
-    or hard link planted under the name is removed (the name, never its target) and a fresh file
-    takes its place: the trainer's line is written, and nowhere else."""
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    """Append the line ``data`` in one write (O_APPEND), creating the file if missing (given to
+    ``owner``, so the job's program can append to it too); returns the offset just after it. A
+    link, FIFO or hard link planted under the name is removed (the name, never its target) and a
+    fresh file takes its place: the trainer's line is written, and nowhere else. Where the file
+    does not end with a newline (a program killed mid-line, or one writing junk), the line starts
+    with one: it is a line of its own, never the end of another."""
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT  # read too: its last byte
     with folder(path.parent) as dir_fd:
         try:
             fd = open_file(dir_fd, path.name, flags, 0o640)
@@ -100,10 +105,15 @@ def append(path: Path, data: bytes, *, owner: tuple[int, int] | None = None) -> 
         try:
             if owner is not None and os.fstat(fd).st_uid != owner[0]:
                 os.fchown(fd, *owner)
-            os.write(fd, data)
+            os.write(fd, data if _ends_a_line(fd) else b"\n" + data)
             return os.lseek(fd, 0, os.SEEK_CUR)  # O_APPEND wrote at the end: this is our line's end
         finally:
             os.close(fd)
+
+
+def _ends_a_line(fd: int) -> bool:
+    size = os.fstat(fd).st_size
+    return size == 0 or os.pread(fd, 1, size - 1) == b"\n"
 
 
 def owner_of(path: Path) -> tuple[int, int] | None:

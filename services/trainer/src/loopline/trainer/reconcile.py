@@ -12,7 +12,9 @@ For one job, under its lock:
      else means it was killed (preempted, time limit, node failure, scancel behind our back)
      and it is launched again to resume from its last checkpoint.
 The row is only marked finished after the run ended and its last lines were published, so a job's
-``completed`` event can never be left behind.
+``completed`` event can never be left behind. A job whose status.json or an events.jsonl line is
+larger than the trainer reads (jobdir.OverLimit) is failed with that reason, its run stopped: the
+trainer never reads more than the limit of it, and goes on with the other jobs.
 """
 
 from __future__ import annotations
@@ -96,6 +98,16 @@ async def reconcile_job(control: JobControl, job_hash: str, states: RunStates) -
             # Ended by the trainer (cancel, given up), which died before publishing that.
             await control.publisher.publish_final(job)
         return
+    try:
+        await _follow(control, job, states)
+    except jobdir.OverLimit as exc:
+        log.warning("job %s: failed: %s", job_hash, exc)
+        fresh = await asyncio.to_thread(control.registry.get, job_hash)
+        if fresh is not None:
+            await control.fail_running(fresh, f"the job wrote more than the trainer reads: {exc}")
+
+
+async def _follow(control: JobControl, job: Job, states: RunStates) -> None:
     job = await control.publisher.publish_pending(job)
     job = await _copy_progress(control, job)
 
@@ -109,7 +121,7 @@ async def reconcile_job(control: JobControl, job_hash: str, states: RunStates) -
     # Nothing writes the directory any more: what is there now is all the run left.
     job = await control.publisher.publish_pending(job)
     job = await _copy_progress(control, job)
-    status = await asyncio.to_thread(jobdir.read_status, job.job_dir) or {}
+    status = await asyncio.to_thread(jobdir.read_status, job.job_dir, control.limits.max_status_bytes) or {}
     ending = status.get("status")
     if ending == JobStatus.COMPLETED.value:
         log.info("job %s completed", job.job_hash)
@@ -128,7 +140,7 @@ async def reconcile_job(control: JobControl, job_hash: str, states: RunStates) -
 
 
 async def _copy_progress(control: JobControl, job: Job) -> Job:
-    status = await asyncio.to_thread(jobdir.read_status, job.job_dir)
+    status = await asyncio.to_thread(jobdir.read_status, job.job_dir, control.limits.max_status_bytes)
     if not status:
         return job
     changes: dict[str, Any] = {}

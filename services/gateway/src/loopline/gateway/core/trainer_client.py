@@ -54,9 +54,12 @@ class TrainerClient:
         except ServiceError as exc:
             raise from_service_error(exc) from exc
 
-    async def get(self, job: str, owner: OwnerFilter = None, timeout_s: float | None = None) -> JobInfo:
-        """The job ``job`` names among ``owner``'s (auth/tenancy.py): another key's is a 404."""
-        return await self.call(subjects.SVC_TRAINER_GET, JobRef(job=job, owner=owner), JobInfo, timeout_s)
+    async def get(self, job: str, owner: OwnerFilter = None, timeout_s: float | None = None, *,
+                  history_offset: int | None = None, history_limit: int | None = None) -> JobInfo:
+        """The job ``job`` names among ``owner``'s (auth/tenancy.py): another key's is a 404. Its
+        history is one page (JobRef): the newest points unless ``history_offset`` says where."""
+        ref = JobRef(job=job, owner=owner, history_offset=history_offset, history_limit=history_limit)
+        return await self.call(subjects.SVC_TRAINER_GET, ref, JobInfo, timeout_s)
 
     async def find(self, job_hash: str, owner: OwnerFilter = None) -> JobInfo | None:
         """The job if the trainer knows it (among ``owner``'s); None when it answers 404."""

@@ -7,7 +7,7 @@ Jobs live in the trainer; these routes translate. Where ScalarLM answers 500 (un
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from starlette.datastructures import UploadFile
 
 from loopline.common.contracts import subjects
@@ -45,11 +45,17 @@ async def train(request: Request):
         await form.close()
 
 
-@router.get("/train/{job}", response_model=TrainResponse, **declare(TRAINING, {**JOB, **TRAINER}))
-async def get_training_job(job: str, request: Request):
+@router.get("/train/{job}", response_model=TrainResponse, **declare(TRAINING, {
+    **JOB, 422: f"{JOB[422]}; or `history_limit` is above `LOOPLINE_MAX_HISTORY_POINTS`", **TRAINER}))
+async def get_training_job(job: str, request: Request, history_offset: int | None = Query(None, ge=0),
+                           history_limit: int | None = Query(None, ge=0)):
     """``job`` is a job hash, a unique prefix of one, or ``latest``: among the key's own jobs
-    (auth/tenancy.py)."""
-    return respond(request, await trainer_of(request).get(job, tenant_of(request)))
+    (auth/tenancy.py). ``job_status.history`` is one page of the loss history: its newest points
+    (as many as the trainer's `LOOPLINE_MAX_HISTORY_POINTS`, all of a ScalarLM job's), or
+    ``history_limit`` points from point ``history_offset``; ``history_total`` counts them all."""
+    info = await trainer_of(request).get(job, tenant_of(request), history_offset=history_offset,
+                                         history_limit=history_limit)
+    return respond(request, info)
 
 
 @router.get("/list_models", response_model=ModelList, **declare(TRAINING, TRAINER))

@@ -32,6 +32,9 @@ class JobStatusBody(BaseModel):
     job_id: str | None  # the Slurm job id
     start_time: float
     history: list[HistoryPoint]
+    # Not ScalarLM's (its client passes them through): where the page of ``history`` starts, of how many.
+    history_offset: int = 0
+    history_total: int = 0
     max_steps: int
     step: int
     accumulated_train_seconds: float
@@ -86,6 +89,7 @@ def train_response(info: JobInfo, deployed: bool, deployment_error: str | None =
     status = JobStatusBody(
         status=info.status.value, model_name=info.job_hash, job_directory=info.job_directory,
         job_id=info.slurm_job_id, start_time=info.created_at, history=info.history,
+        history_offset=info.history_offset, history_total=info.history_total,
         max_steps=info.max_steps, step=info.step, accumulated_train_seconds=train_seconds(info),
         error=info.error,
     )

@@ -57,15 +57,16 @@ async def train_logs(job: str, request: Request, starting_line_number: int = Que
 
 
 async def _log_lines(trainer: TrainerClient, page: LogLines, next_line: int, follow: bool):
-    # Invariant: every line before next_line has been sent once; a page shorter than LOG_PAGE means
-    # we have caught up with the log.
+    # Invariant: every line before next_line has been sent once; a page the trainer does not mark as
+    # cut short (``more``: at LOG_PAGE lines, or at its LOOPLINE_MAX_LOG_PAGE_BYTES) means we have
+    # caught up with the log.
     while True:
         for entry in page.lines:
             # One write per line: the client parses each chunk it receives on its own.
             yield json.dumps({"line": entry.line, "line_number": entry.line_number}) + "\n"
         if page.lines:
             next_line = page.lines[-1].line_number + 1
-        caught_up = len(page.lines) < LOG_PAGE
+        caught_up = not page.more
         if caught_up and (page.finished or not follow):
             return
         if caught_up:
