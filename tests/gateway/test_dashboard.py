@@ -2,7 +2,7 @@
 training program: tests/trainer/standin.py, a step every 0.2 s with loss 1/(step+1)) and a real
 headless Chromium (support/browser.py).
 
-What a person sees: signing in with a key (kept in an HttpOnly cookie that only ``/ui`` takes), the
+What a person sees: signing in with a key (a session in an HttpOnly cookie that only ``/ui`` takes), the
 key's own jobs and never another's, a job's loss curve gaining points while it trains over one live
 connection, the job's forms (cancel, restart) doing what the API does for that key, pages that work
 with JavaScript off, keyboard navigation, and the layout at 1280x800 and at phone width; and what an
@@ -153,7 +153,8 @@ def test_the_cookie_opens_the_dashboard_only_and_scopes_hold(keyed):
         assert signed.status_code == 303
         cookie = signed.headers["set-cookie"].lower()
         assert "httponly" in cookie and "samesite=strict" in cookie and "path=/ui" in cookie
-    with httpx.Client(base_url=keyed.url, timeout=30, cookies={"loopline_key": KEYS["a"]}) as signed_in:
+        session = signed.cookies["loopline_session"]  # the session's id (test_ui_sessions.py)
+    with httpx.Client(base_url=keyed.url, timeout=30, cookies={"loopline_session": session}) as signed_in:
         page = signed_in.get("/ui")
         assert page.status_code == 200
         assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
@@ -187,7 +188,8 @@ def test_the_job_forms_act_for_their_key_and_not_for_another_site(keyed, browser
         if page.evaluate("location.pathname") == "/ui/login":
             sign_in(page, keyed, "a")
             page.open(f"{keyed.url}/ui/jobs/{job}")
-        # A page of another site posts the job's cancel form: refused before the key is looked at.
+        # A page of another site posts the job's cancel form: refused by same_origin.py before the
+        # key is looked at (the cookie's own SameSite defence: test_dashboard_hostile_browser.py).
         with other_site(EVIL) as site:
             site.html = (f'<form id="f" method="post" action="{keyed.url}/ui/jobs/{job}/cancel"></form>'
                          '<script>document.getElementById("f").submit()</script>').encode()
@@ -199,7 +201,7 @@ def test_the_job_forms_act_for_their_key_and_not_for_another_site(keyed, browser
         # The key's own page cancels it, by keyboard: focus the button, press Enter.
         page.evaluate("document.querySelector('form[action$=\"/cancel\"] button').focus()")
         page.press("Enter", "Enter", 13, "\r")
-        page.wait_for("location.search.includes('message=')")
+        page.wait_for("location.search.includes('notice=')")
         assert "cancel: done" in page.evaluate("document.querySelector('.message').textContent")
         wait_job(a, job, "CANCELLED")
         page.wait_for("document.getElementById('job-state')?.textContent.trim() === 'CANCELLED'")

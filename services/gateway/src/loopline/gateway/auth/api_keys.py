@@ -3,8 +3,9 @@
 pages wants ``Authorization: Bearer <key>`` (what the ``openai`` client sends as its ``api_key``),
 and every Tinker route (``/api/v1``) ``X-API-Key: <key>`` (what the ``tinker`` SDK sends; it insists
 its keys start with ``tml-``, as ``loopline keys create`` makes them). The dashboard's pages
-(``/ui``) take the key from the cookie its sign-in sets, too (ui_cookie.py); a browser that has
-none is sent to the sign-in page.
+(``/ui``) take the session its sign-in opened, too (ui_cookie.py, ui_sessions.py): the key it
+signed in with, while that key is still one of the gateway's; a browser that has none is sent to the
+sign-in page. No other route takes the cookie, nor takes a session id for a key.
 
 In order, a request is answered 401 (no key, or not one of this gateway's: key_store.py), 403 (the
 key lacks the scope its route declares: core/route_spec.py), 429 with ``Retry-After`` (over the key's
@@ -27,6 +28,7 @@ from loopline.gateway.auth import ui_cookie
 from loopline.gateway.auth.key_limits import KeyLimits
 from loopline.gateway.auth.key_store import ApiKey, KeyStore
 from loopline.gateway.auth.scopes import ANY_KEY, OPEN, allows
+from loopline.gateway.auth.ui_sessions import SessionsUnavailable, UiSessions
 from loopline.gateway.core.errors import error_body
 from loopline.gateway.core.route_spec import scope_of
 
@@ -46,9 +48,11 @@ def api_key_of(request: Request) -> ApiKey | None:
 
 
 class ApiKeys:
-    def __init__(self, app, *, store: KeyStore, limits: KeyLimits, routes: list[BaseRoute]):
+    def __init__(self, app, *, store: KeyStore, limits: KeyLimits, routes: list[BaseRoute],
+                 sessions: UiSessions):
         self.app = app
         self.store = store
+        self.sessions = sessions
         self.limits = limits
         self.routes = routes  # the app's: each declares its scope (route_spec.declare)
         self._exact: dict[tuple[str, str], str] | None = None
@@ -64,16 +68,23 @@ class ApiKeys:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         ui = ui_cookie.is_ui_path(path)
+        key: ApiKey | None = None
         if tinker:
             header = token = headers.get(b"x-api-key", b"")
             scheme = b"bearer"
         else:
             header = headers.get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
-            if ui and not header and (signed_in := ui_cookie.key_in(headers.get(b"cookie", b""))):
-                header, scheme, token = b"cookie", b"bearer", signed_in
+            if ui and not header and (session := ui_cookie.session_in(headers.get(b"cookie", b""))):
+                header, scheme, token = b"cookie", b"session", b""
+                try:
+                    key = await self._signed_in(session)
+                except SessionsUnavailable as exc:
+                    return await _refuse(send, path, 503, f"the dashboard's sessions cannot be read "
+                                         f"now ({exc}); try again shortly", "service_unavailable")
         # One hash and one dict lookup; the hash of a 256-bit random key says nothing about others.
-        key = self.store.lookup(token.strip()) if scheme.lower() == b"bearer" and token.strip() else None
+        if scheme.lower() == b"bearer" and token.strip():
+            key = self.store.lookup(token.strip())
         if key is None and ui and scope["method"] in ("GET", "HEAD") and path != LIVE_PATH:
             return await _to_sign_in(send)  # a person at a browser: the sign-in page, not JSON
         if key is None:
@@ -93,6 +104,11 @@ class ApiKeys:
             await self.app(scope, receive, send)
         finally:
             self.limits.release(key)
+
+    async def _signed_in(self, session: bytes) -> ApiKey | None:
+        """The key a dashboard session signed in with, while the key is still valid."""
+        signed_with = await self.sessions.key_of(session)
+        return self.store.lookup_hash(signed_with) if signed_with is not None else None
 
     def _scope_needed(self, scope) -> str:
         method = "GET" if scope["method"] == "HEAD" else scope["method"]  # a GET route answers HEAD

@@ -134,6 +134,13 @@ class KeyStore:
             self.refresh()
         return self._by_hash.get(key_hash(token))
 
+    def lookup_hash(self, sha256: str) -> ApiKey | None:
+        """The key with this SHA-256 while the gateway still has it: a dashboard session's
+        (ui_sessions.py), which ends when its key is revoked or rotated."""
+        if time.monotonic() - self._checked >= RECHECK_S:
+            self.refresh()
+        return self._by_hash.get(sha256)
+
     def refresh(self, force: bool = False) -> None:
         """Read the file again if it changed. A file that cannot be read keeps the keys read last
         (a bad edit does not lock everyone out); an absent file has no keys (all revoked)."""

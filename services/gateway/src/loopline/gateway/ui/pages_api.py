@@ -40,6 +40,15 @@ PAGE_HEADERS = {
 ACTIONS = {"cancel": (TRAINING, subjects.SVC_TRAINER_CANCEL),
            "restart": (TRAINING, subjects.SVC_TRAINER_RESTART),
            "delete": (ADMIN, subjects.SVC_TRAINER_DELETE)}
+# What a job page may say as its own alert, by the code its form's redirect carries: the gateway's
+# words only. Free text from the URL would let any link put a line of the attacker's on the page
+# ("your key expired, paste it at ..."), escaped or not.
+NOTICES = {
+    "cancel-done": "cancel: done",
+    "cancel-refused": "cancel refused: the job's status does not allow it (see its status above)",
+    "restart-done": "restart: done",
+    "restart-refused": "restart refused: the job's status does not allow it (see its status above)",
+}
 
 
 def page(body: str, status: int = 200) -> HTMLResponse:
@@ -59,7 +68,7 @@ async def overview(request: Request) -> Response:
 
 
 @router.get("/jobs/{job}", **declare(TRAINING, {**JOB, **TRAINER}, media_type=HTML))
-async def job_page(request: Request, job: str, message: str | None = None) -> Response:
+async def job_page(request: Request, job: str, notice: str | None = None) -> Response:
     viewer = Viewer.of(request)
     gateway = gateway_of(request)
     info = await gateway.trainer.get(job, viewer.tenant)
@@ -67,7 +76,8 @@ async def job_page(request: Request, job: str, message: str | None = None) -> Re
     sections = await state.sections()
     actions = [name for name, (need, _) in ACTIONS.items() if viewer.can(need)]
     return page(render("job.html", title=f"Job {info.job_hash[:12]}", viewer=viewer, job=state.job,
-                       sections=sections, params=state.params(), actions=actions, message=message,
+                       sections=sections, params=state.params(), actions=actions,
+                       message=NOTICES.get(notice or ""),
                        live=live_url("job", info.job_hash)))
 
 
@@ -93,14 +103,14 @@ async def _act(request: Request, job: str, action: str) -> Response:
     info = await trainer.get(job, viewer.tenant)  # another key's job: 404, as the API
     try:
         await trainer.control(ACTIONS[action][1], info.job_hash)
-        message = f"{action}: done"
+        outcome = "done"
     except ApiError as exc:
         if exc.status >= 500 or exc.status == 404:
             raise
-        message = f"{action} refused: {exc.message}"
+        outcome = "refused"
     if action == "delete":
         return RedirectResponse("/ui", status_code=303)
-    return RedirectResponse(f"/ui/jobs/{info.job_hash}?message={quote(message)}", status_code=303)
+    return RedirectResponse(f"/ui/jobs/{info.job_hash}?notice={action}-{outcome}", status_code=303)
 
 
 _ACTION_STATUSES = {**JOB, **TRAINER, 303: "done or refused: back to the job's page, which says which"}
