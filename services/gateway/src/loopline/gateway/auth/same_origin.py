@@ -65,14 +65,7 @@ class SameOrigin:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or (scope["method"] in SAFE_METHODS and not self.loopback):
             return await self.app(scope, receive, send)
-        origin = site = host = None
-        for name, value in scope["headers"]:  # a few headers: cheaper than building a dict
-            if name == b"origin":
-                origin = value
-            elif name == b"sec-fetch-site":
-                site = value
-            elif name == b"host":
-                host = value
+        origin, site, host = _browser_headers(scope)
         page = normalize_origin(origin.decode("latin-1")) if origin is not None else None
         if page is not None and page in self.allowed:
             return await self.app(scope, receive, send)
@@ -118,6 +111,35 @@ class SameOrigin:
             return None
         return (f"this gateway listens on a loopback address and was reached as {name!r}, a name "
                 f"that is not this machine's (DNS rebinding?): ask it as localhost or 127.0.0.1")
+
+
+def _browser_headers(scope) -> tuple[bytes | None, bytes | None, bytes | None]:
+    """``Origin``, ``Sec-Fetch-Site`` and ``Host``, each None when absent."""
+    origin = site = host = None
+    for name, value in scope["headers"]:  # a few headers: cheaper than building a dict
+        if name == b"origin":
+            origin = value
+        elif name == b"sec-fetch-site":
+            site = value
+        elif name == b"host":
+            host = value
+    return origin, site, host
+
+
+def foreign_page(scope, allowed: frozenset[str]) -> str | None:
+    """Why a request of any method, GETs included, was sent by a browser page that is neither the
+    gateway's own nor of an ``allowed`` origin; None when it was not (not a browser, or its own
+    page). For the GETs that hold something of their caller's while they last: an event stream
+    holds one of its client's few slots (core/event_streams.py), which any page the user visits
+    could otherwise take, all of them, with ``new EventSource``."""
+    origin, site, host = _browser_headers(scope)
+    if origin is None and site is None:
+        return None
+    page = normalize_origin(origin.decode("latin-1")) if origin is not None else None
+    guard = SameOrigin(None, allowed=allowed, loopback=False)
+    if page is not None and page in guard.allowed:
+        return None
+    return guard._refusal(scope, page, site, host)
 
 
 def _forwarded_origin(scope, host: str) -> str | None:

@@ -3,7 +3,8 @@ job's (scalarlm/train_streams_api.py) and the Tinker session workers' (tinker/ev
 
 Each open stream holds a NATS consumer and a task for as long as its client stays: one key (or,
 without keys, one client address) may hold ``LOOPLINE_MAX_STREAMS_PER_KEY`` of them at once
-(``StreamSlots``, taken by the routes marked ``@held_stream``); one more is refused with 429.
+(``StreamSlots``, taken by the routes marked ``@held_stream``); one more is refused with 429. A
+browser page of another origin is refused (403) before it takes one.
 
 One SSE message per stored event, ``id`` its stream sequence (a client that lost its connection
 asks again from there), ``event`` its kind, ``data`` the event's JSON without its empty fields.
@@ -25,6 +26,8 @@ from nats.js import JetStreamContext
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
+from loopline.gateway.auth.same_origin import SETTING as ALLOWED_ORIGINS, foreign_page
+from loopline.gateway.core.errors import ApiError
 from loopline.gateway.core.limits import holder_of, over_limit
 
 log = logging.getLogger(__name__)
@@ -191,7 +194,15 @@ def held_stream(route: Route) -> Route:
     @functools.wraps(route)
     async def taking_a_slot(*args: Any, **kwargs: Any) -> Any:
         request: Request = kwargs["request"]
-        give_back = request.app.state.gateway.streams.take(request)
+        gateway = request.app.state.gateway
+        # A GET passes SameOrigin: without this, any page its user visits could hold all of the
+        # user's slots (one client address under `make up`) and lock out their own dashboard.
+        why = foreign_page(request.scope, gateway.settings.allowed_origin_set)
+        if why is not None:
+            raise ApiError(403, f"event stream refused: {why}. Only the gateway's own pages and those "
+                                f"of {ALLOWED_ORIGINS} may open event streams from a browser",
+                           type="permission_error")
+        give_back = gateway.streams.take(request)
         try:
             response = await route(*args, **kwargs)
         except BaseException:

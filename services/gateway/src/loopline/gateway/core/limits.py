@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from fastapi import Request
 
 from loopline.gateway.auth.api_keys import api_key_of
+from loopline.gateway.auth.key_limits import TokenBucket
 from loopline.gateway.core.errors import ApiError
 
 
@@ -59,18 +62,47 @@ def holder_of(request: Request) -> str:
     return f"client {request.client.host if request.client else 'unknown'}"
 
 
+# Per-client tables remember this many holders unless told otherwise (GatewaySettings'
+# max_tracked_clients).
+MAX_HOLDERS = 10_000
+
+V = TypeVar("V")
+
+
+class RecentHolders(Generic[V]):
+    """Each holder's entry, for the ``limit`` holders seen most recently: one seen longer ago is
+    forgotten (its quota starts afresh), so clients with many addresses cannot grow the table."""
+
+    def __init__(self, make: Callable[[], V], limit: int = MAX_HOLDERS):
+        self.make, self.limit = make, limit
+        self.entries: OrderedDict[str, V] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def of(self, holder: str) -> V:
+        entry = self.entries.get(holder)
+        if entry is None:
+            entry = self.entries[holder] = self.make()
+            while len(self.entries) > self.limit:
+                self.entries.popitem(last=False)
+        else:
+            self.entries.move_to_end(holder)
+        return entry
+
+
 class WindowQuota:
     """At most ``limit`` creations per holder within ``window_s``, counted at this gateway: with a
     TTL of ``window_s`` on what is created, it bounds what one holder keeps (per gateway)."""
 
-    def __init__(self, limit: int, window_s: float, field: str, what: str):
+    def __init__(self, limit: int, window_s: float, field: str, what: str, *, max_holders: int = MAX_HOLDERS):
         self.limit, self.window_s, self.field, self.what = limit, window_s, field, what
-        self.times: dict[str, deque[float]] = {}
+        self.times: RecentHolders[deque[float]] = RecentHolders(deque, max_holders)
 
     def take(self, request: Request) -> None:
         holder = holder_of(request)
         now = time.monotonic()
-        times = self.times.setdefault(holder, deque())
+        times = self.times.of(holder)
         while times and now - times[0] > self.window_s:
             times.popleft()
         if len(times) >= self.limit:
@@ -80,3 +112,24 @@ class WindowQuota:
             error.headers["Retry-After"] = str(max(retry, 1))
             raise error
         times.append(now)
+
+
+class RateQuota:
+    """At most ``per_minute`` requests per holder, in bursts of up to a tenth of that (a token
+    bucket each), counted at this gateway: keys or none, so a client without keys is bounded too."""
+
+    def __init__(self, per_minute: int, field: str, what: str, *, max_holders: int = MAX_HOLDERS):
+        self.per_minute, self.field, self.what = per_minute, field, what
+        per_s = per_minute / 60.0
+        self.burst = burst = max(1, per_minute // 10)
+        self.buckets: RecentHolders[TokenBucket] = RecentHolders(lambda: TokenBucket(per_s, burst),
+                                                                 max_holders)
+
+    def take(self, request: Request) -> None:
+        holder = holder_of(request)
+        wait_s = self.buckets.of(holder).take(time.monotonic())
+        if wait_s > 0:
+            error = over_limit(429, f"{holder} is over its rate of {self.what} per minute (in bursts of "
+                                    f"at most {self.burst})", self.per_minute, self.field)
+            error.headers["Retry-After"] = str(max(1, math.ceil(wait_s)))
+            raise error

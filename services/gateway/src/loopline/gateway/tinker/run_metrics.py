@@ -4,7 +4,8 @@ dashboard draws it beside the loss (ui/pages.py). The figures go on EVENTS as th
 ``metrics`` event: durable, in order with its steps, and followed by ``/v1/tinker/runs/{run}/events``.
 
 Bounded like every client-sized thing: ``MAX_METRICS`` names of at most ``MAX_NAME`` characters,
-finite numbers only, one step.
+finite numbers only, one step; and ``LOOPLINE_RUN_METRICS_PER_MINUTE`` posts per key (per client
+address without keys), since every post is kept on EVENTS and wakes every open dashboard page.
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ class RunMetricsBody(BaseModel):
     400: f"not JSON, an unknown field, no metrics, more than {MAX_METRICS}, a name over {MAX_NAME} "
          "characters, or a value that is not a finite number (the message names it)",
     404: "no such training run", 409: "the run is not on a session worker yet: retry",
+    429: "more posts than `LOOPLINE_RUN_METRICS_PER_MINUTE` from this key (or client address): "
+         "retry after `Retry-After`",
     503: "the message bus did not take it: retry"}))
 async def post_run_metrics(request: Request, run_id: str) -> dict[str, int]:
-    body = await parse(request, RunMetricsBody)
     gateway = gateway_of(request)
+    gateway.metrics_quota.take(request)  # before the body is read: a refused post costs nothing
+    body = await parse(request, RunMetricsBody)
     model = await gateway.tinker.model(run_id, tenant_of(request))
     if not model.worker_id:
         raise ApiError(409, f"training run {run_id} is not on a session worker yet; retry",

@@ -1,7 +1,9 @@
 """``/ui/live``: one server-sent event stream per open dashboard page. It renders the page's
-sections again whenever an event arrives on EVENTS (a step, a checkpoint, an adapter loaded) and
-at least every ``LOOPLINE_UI_REFRESH_S``, and sends the ones that changed as one ``sections``
-message (``{"<section id>": "<html>"}``); live.js puts them in place.
+sections again at each of the gateway's listings of jobs and runs (ui/listings.py: soon after an
+event on EVENTS, a step, a checkpoint, an adapter loaded, at most once per
+``LOOPLINE_UI_EVENT_REFRESH_S`` and at least every ``LOOPLINE_UI_REFRESH_S``), and sends the ones
+that changed as one ``sections`` message (``{"<section id>": "<html>"}``); live.js puts them in
+place.
 
 It holds a stream slot of the key's (``@held_stream``, as every event stream), so a page cannot
 open connections without bound; the browser's EventSource reconnects by itself after a cut.
@@ -32,8 +34,6 @@ log = logging.getLogger(__name__)
 
 LIVE_PAGES = Gauge("loopline_gateway_live_pages", (
     "Dashboard pages following this gateway now (one event stream each, /ui/live)."))
-# A burst of events (a job's steps, a save) is drawn once: this long after the first.
-COALESCE_S = 0.2
 # How long the browser waits before it reconnects a cut stream.
 RETRY_MS = 3000
 
@@ -61,35 +61,36 @@ async def _page(gateway: Gateway, viewer: Viewer, page: str, ident: str) -> Page
 
 async def _follow(gateway: Gateway, state: Page) -> AsyncIterator[str]:
     feeds = gateway.ui
+    listings = feeds.listings
     sent: dict[str, str] = {}
-    version = feeds.events.version
     quiet_since = time.monotonic()
     LIVE_PAGES.inc()
     # Invariant: after each pass the browser holds exactly ``sent``, the newest rendering of every
-    # section; a pass starts at the next event or after refresh_s, whichever is first.
+    # section; a pass starts at the gateway's next listing (ui/listings.py: at most one per
+    # LOOPLINE_UI_EVENT_REFRESH_S, at least one per refresh_s, for all pages together).
     try:
-        yield f"retry: {RETRY_MS}\n\n"
-        while True:
-            try:
-                sections = await state.sections()
-            except Exception as exc:  # noqa: BLE001 - NATS or a service slow: say so, try again
-                log.info("a live page could not be brought up to date: %s", exc)
-                yield f"event: trouble\ndata: {json.dumps(_why(exc))}\n\n"
-                await asyncio.sleep(feeds.refresh_s)
-                continue
-            changed = {name: html for name, html in sections.items() if sent.get(name) != html}
-            if changed:
-                sent.update(changed)
-                quiet_since = time.monotonic()
-                yield f"event: sections\ndata: {json.dumps(changed)}\n\n"
-            elif time.monotonic() - quiet_since >= KEEPALIVE_S:
-                quiet_since = time.monotonic()
-                yield ": keepalive\n\n"
-            seen = version
-            version = await feeds.events.wait_past(version, feeds.refresh_s)
-            if version != seen:
-                await asyncio.sleep(COALESCE_S)
-                version = feeds.events.version
+        async with listings.viewing():
+            version = listings.version
+            yield f"retry: {RETRY_MS}\n\n"
+            while True:
+                try:
+                    sections = await state.sections(listings.current())
+                except Exception as exc:  # noqa: BLE001 - NATS or a service slow: say so, try again
+                    log.info("a live page could not be brought up to date: %s", exc)
+                    yield f"event: trouble\ndata: {json.dumps(_why(exc))}\n\n"
+                    await asyncio.sleep(feeds.refresh_s)
+                    continue
+                changed = {name: html for name, html in sections.items() if sent.get(name) != html}
+                if changed:
+                    sent.update(changed)
+                    quiet_since = time.monotonic()
+                    yield f"event: sections\ndata: {json.dumps(changed)}\n\n"
+                elif time.monotonic() - quiet_since >= KEEPALIVE_S:
+                    quiet_since = time.monotonic()
+                    yield ": keepalive\n\n"
+                # Longer than refresh_s: the listing is due by then; a stuck one still lets the
+                # page's own parts (a job's log, the cluster) move on.
+                version = await listings.wait_past(version, 2 * feeds.refresh_s)
     finally:
         LIVE_PAGES.dec()
         await state.close()

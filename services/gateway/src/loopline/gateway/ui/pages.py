@@ -19,6 +19,7 @@ from loopline.gateway.core.errors import ApiError
 from loopline.gateway.gateway import Gateway
 from loopline.gateway.ui import views
 from loopline.gateway.ui.charts import svg
+from loopline.gateway.ui.listings import Listing
 from loopline.gateway.ui.views import LogTail, RunHistory, Viewer, Visibility
 
 TEMPLATES = Environment(loader=PackageLoader("loopline.gateway.ui", "templates"),
@@ -32,7 +33,10 @@ def render(template: str, **context: Any) -> Markup:
 
 
 class Page(Protocol):
-    async def sections(self) -> dict[str, Markup]: ...
+    async def sections(self, listing: Listing | None = None) -> dict[str, Markup]:
+        """Every section rendered; from ``listing`` where given (a live page's, shared by all of
+        the gateway's), else from a listing made now."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -43,10 +47,11 @@ class Overview:
         self.viewer = viewer
         self.visibility = Visibility(gateway, viewer)
 
-    async def sections(self) -> dict[str, Markup]:
+    async def sections(self, listing: Listing | None = None) -> dict[str, Markup]:
         ui = self.gateway.ui
+        listing = listing or await ui.listings.fresh()
         cluster = await ui.cluster.snapshot()
-        jobs = await views.jobs_section(self.gateway, self.viewer)
+        jobs = views.jobs_section(self.gateway, self.viewer, listing)
         visible = None if self.viewer.tenant is None else jobs.get("hashes", set())
         events = await views.recent_events(list(ui.events.events), self.visibility)
         return {
@@ -54,7 +59,7 @@ class Overview:
                               **views.cluster_section(cluster, self.viewer, visible)),
             "serving": render("sections/serving.html", **views.serving_section(cluster, self.viewer)),
             "jobs": render("sections/jobs.html", **jobs),
-            "runs": render("sections/runs.html", **await views.runs_section(self.gateway, self.viewer)),
+            "runs": render("sections/runs.html", **views.runs_section(self.viewer, listing)),
             "events": render("sections/events.html", events=events),
         }
 
@@ -69,7 +74,7 @@ class JobPage:
         self.job = job
         self.log = LogTail(job.job_hash, viewer.tenant)
 
-    async def sections(self) -> dict[str, Markup]:
+    async def sections(self, listing: Listing | None = None) -> dict[str, Markup]:
         try:
             self.job = await self.gateway.trainer.get(self.job.job_hash, self.viewer.tenant)
         except ApiError as exc:
@@ -112,10 +117,10 @@ class RunPage:
         self.model = model
         self.history = RunHistory(model)
 
-    async def sections(self) -> dict[str, Markup]:
+    async def sections(self, listing: Listing | None = None) -> dict[str, Markup]:
         store = self.gateway.tinker.store
         self.model = await store.model(self.model.model_id) or self.model
-        await self.history.catch_up(self.gateway)
+        await self.history.catch_up(self.gateway.js)
         cluster = await self.gateway.ui.cluster.snapshot()
         checkpoints = await store.checkpoints(self.model.model_id)
         status = views.run_status(self.model, checkpoints, cluster, self.history)

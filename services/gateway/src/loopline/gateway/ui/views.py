@@ -1,6 +1,7 @@
 """What each dashboard page shows, read for one viewer: the cluster for everyone with a key, the
 queue's figures with the admin scope (as ``/v1/generate/metrics``), jobs and Tinker runs with the
-training scope and only the viewer's own (auth/tenancy.py), as the API routes decide.
+training scope and only the viewer's own (auth/tenancy.py), as the API routes decide: from the
+gateway's one listing of every tenant's (ui/listings.py), filtered here.
 
 Each page is a set of *sections*, each rendered by its own template (templates/sections/): the
 page renders them all; a live page's stream (ui/live_api.py) renders them again and sends the ones
@@ -12,11 +13,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import Request
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from loopline.common.contracts import subjects
 from loopline.common.contracts.job_schemas import JobInfo, LogsRequest, OwnerFilter
@@ -32,6 +35,7 @@ from loopline.gateway.tinker.events_api import OwnRuns
 from loopline.gateway.ui.charts import Curve
 from loopline.gateway.ui.cluster_feed import Cluster
 from loopline.gateway.ui.event_feed import FeedEvent
+from loopline.gateway.ui.listings import Listing
 
 EVENTS_SHOWN = 30
 ANSWERS_SHOWN = 10
@@ -40,6 +44,8 @@ LOG_PAGE = 1000
 # A run page reads its worker's events from EVENTS: the stored ones when it opens, then what came
 # since at each update; at most this many in one pass (a long history is read over a few).
 EVENTS_PER_PASS = 20_000
+# Between the gateway that stamped a run's creation and the NATS server that stamps its events.
+CLOCK_SKEW_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -101,13 +107,12 @@ def event_row(event: FeedEvent) -> dict[str, Any]:
             "subject": subject, "detail": detail}
 
 
-async def jobs_section(gateway: Gateway, viewer: Viewer) -> dict[str, Any]:
+def jobs_section(gateway: Gateway, viewer: Viewer, listing: Listing) -> dict[str, Any]:
     if not viewer.can(TRAINING):
         return {"allowed": False}
-    try:
-        jobs = (await gateway.trainer.list(viewer.tenant)).jobs
-    except ApiError as exc:
-        return {"allowed": True, "error": exc.message, "jobs": []}
+    if listing.jobs_error is not None:
+        return {"allowed": True, "error": listing.jobs_error, "jobs": []}
+    jobs = [job for job in listing.jobs if sees(viewer.tenant, job.owner)]
     return {"allowed": True, "jobs": [job_row(gateway, job) for job in jobs[:50]], "total": len(jobs),
             "hashes": {job.job_hash for job in jobs}}
 
@@ -119,14 +124,13 @@ def job_row(gateway: Gateway, job: JobInfo) -> dict[str, Any]:
             "rejected": gateway.adapters.deployment_error(job.job_hash)}
 
 
-async def runs_section(gateway: Gateway, viewer: Viewer) -> dict[str, Any]:
+def runs_section(viewer: Viewer, listing: Listing) -> dict[str, Any]:
     if not viewer.can(TRAINING):
         return {"allowed": False}
-    try:
-        models = [m for m in await gateway.tinker.store.models() if sees(viewer.tenant, m.owner)]
-    except Exception as exc:  # noqa: BLE001 - NATS slow or down: say so
-        return {"allowed": True, "error": f"cannot read the Tinker runs: {exc}", "runs": []}
-    models.sort(key=lambda m: m.created_at, reverse=True)
+    if listing.runs_error is not None:
+        return {"allowed": True, "error": listing.runs_error, "runs": []}
+    models = sorted((m for m in listing.runs if sees(viewer.tenant, m.owner)), key=lambda m: m.created_at,
+                    reverse=True)
     return {"allowed": True, "runs": [{"id": m.model_id, "base": m.model_name, "state": m.state,
                                        "rank": m.lora.rank, "created": _clock(m.created_at),
                                        "last": _clock(m.last_request_at)} for m in models[:50]],
@@ -210,13 +214,14 @@ class RunHistory:
     staleness: Curve = field(default_factory=lambda: Curve("samples' mean staleness"))
     learning_rate: Curve = field(default_factory=lambda: Curve("learning rate"))
     steps: int = 0
+    clock_skew_s: float = CLOCK_SKEW_S
     _sub: JetStreamContext.PushSubscription | None = None
 
-    async def catch_up(self, gateway: Gateway, wait_s: float = 0.3) -> None:
+    async def catch_up(self, js: JetStreamContext, wait_s: float = 0.3) -> None:
         if not self.model.worker_id:
             return
         if self._sub is None:
-            self._sub = await gateway.trainer.follow_events(subjects.session_event(self.model.worker_id, "*"))
+            self._sub = await self._follow(js, self.model.worker_id)
         for _ in range(EVENTS_PER_PASS):
             try:
                 msg = await self._sub.next_msg(timeout=wait_s)
@@ -230,6 +235,18 @@ class RunHistory:
                 self.apply(event)
             if msg.metadata.num_pending == 0:
                 wait_s = 0.05  # caught up: take what comes at once, then return
+
+    async def _follow(self, js: JetStreamContext, worker_id: str) -> JetStreamContext.PushSubscription:
+        """The worker's events from shortly before this run was created: a worker serves every
+        key's runs of its base model, and its history before this run (another tenant's runs
+        perhaps, as many events as they made) is none of this page's to read."""
+        since = datetime.fromtimestamp(max(0.0, self.model.created_at - self.clock_skew_s), tz=UTC)
+        try:
+            return await js.subscribe(subjects.session_event(worker_id, "*"), stream=subjects.EVENTS_STREAM,
+                                      ordered_consumer=True, config=ConsumerConfig(
+                                          deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since))
+        except Exception as exc:  # NATS down
+            raise ApiError(503, f"cannot follow the run's events: {exc}; retry") from exc
 
     def apply(self, event: SessionEvent) -> None:
         if event.kind == "step" and event.step is not None:
