@@ -157,7 +157,7 @@ class Replica:
                                           "temperature": 0, **body}))
                 for i, prompt in enumerate(prompts)]
 
-    async def results(self, items: list[WorkItem]) -> list[ResultItem]:
+    async def results(self, items: list[WorkItem], timeout_s: float = 120) -> list[ResultItem]:
         """Publish work items as the gateway does and wait for their stored results."""
         results: dict[int, ResultItem] = {}
         done = asyncio.Event()
@@ -170,7 +170,7 @@ class Replica:
 
         sub = await self.nats.nc.subscribe(subjects.results_of_group(items[0].group), cb=on_result)
         await WorkPublisher(self.nats.js, retry_after_s=1).publish(None, items, self.deployment)
-        await asyncio.wait_for(done.wait(), 120)
+        await asyncio.wait_for(done.wait(), timeout_s)
         await sub.unsubscribe()
         return [results[i] for i in range(len(items))]
 

@@ -98,7 +98,7 @@ async def test_a_full_fine_tunes_answers_come_through_as_vllms_do(tmp_path):
 
     answer = await model.call("/v1/embeddings", b"{}", on_event)
     assert answer.status == 503 and b"not answering" in answer.body
-    await model.http.aclose()
+    await model.stop()
 
 
 def test_a_full_fine_tunes_engine_has_the_deployments_flags_without_lora():

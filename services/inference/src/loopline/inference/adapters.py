@@ -14,6 +14,16 @@ a version that is no longer current is unloaded when its last request lets go. A
 ``max_jobs`` jobs keep a version loaded: the least recently used one is unloaded (it stays known,
 and its next request loads it again).
 
+A full fine-tune's version is an engine of its own (full_weights.py), so those have a bound of
+their own, ``max_full_engines``, taken before a load downloads anything or starts a child. A
+request that finds every engine taken waits its turn (first come, first served): the least
+recently used idle engine is stopped for it, or, when all are busy, the least recently used one
+takes no new requests and stops once its last one ends, so one busy tenant cannot hold the engines
+against the others. The wait is bounded (``full_engine_wait_s``, then a 503 naming the settings).
+An engine that dies is noticed as it exits: its version is unloaded (the next request starts it
+again), and the replica reports it as a ``rejected`` event, which the gateway shows as the job's
+``deployment_error`` until a later load.
+
 A deleted job is retired (``events.adapters.<hash>.retired``, adapter_retire.py): the replica
 forgets it, unloads its version once no request pins it, and never loads a checkpoint of it written
 before the retirement, however late its announce arrives.
@@ -22,10 +32,11 @@ before the retirement, however late its announce arrives.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +46,7 @@ from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Histogram
 
+from loopline.common.config.settings import InferenceSettings
 from loopline.common.contracts import subjects
 from loopline.common.contracts.job_hash import is_job_hash
 from loopline.common.contracts.job_schemas import AdapterEvent, CheckpointAnnounce
@@ -56,6 +68,14 @@ LOAD_LATENCY = Histogram("loopline_adapter_load_seconds", (
     ["adapter_type"], buckets=metrics.LATENCY_BUCKETS)
 
 
+ENGINE_DEATHS = Counter("loopline_full_weight_engine_deaths", (
+    "Full fine-tunes' own engines that exited by themselves while loaded on this replica (each "
+    "unloaded; the next request starts it again)."))
+
+FULL_WEIGHTS = "none"  # the adapter_type of a full fine-tune (docs/adapter-format.md)
+_DEFAULTS = InferenceSettings.model_fields
+
+
 @dataclass(eq=False)  # identity, not value: two loads of one step are two versions
 class Version:
     job_hash: str
@@ -64,27 +84,45 @@ class Version:
     handle: Any  # what the engine's load_adapter returned; requests generate with it
     folder: Path
     refs: int = 0
+    full: bool = False  # a full fine-tune: it holds one of the engine slots until unloaded
+    watch: asyncio.Task | None = None  # a full fine-tune's: waits for its engine to die
+    unloaded: bool = False
 
 
 class AdapterUnavailable(Exception):
-    """A request named a job this replica cannot serve; ``status`` is the HTTP status to answer."""
+    """A request named a job this replica cannot serve; ``status`` is the HTTP status to answer.
+    ``retry``: a passing fault that another delivery may not meet (NATS restarting); otherwise
+    the request is answered with it."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, *, retry: bool = True):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.retry = status, message, retry
 
 
 class _Refused(Exception):
     """The checkpoint cannot be served by this replica, however often we try."""
 
 
+class _NoEngineFree(Exception):
+    """A full fine-tune announced, not asked for, with every engine taken: it loads when asked."""
+
+
 class AdapterManager:
     def __init__(self, js: JetStreamContext, engine: VllmServer, *, base_model: str, replica: str,
-                 root: Path, max_jobs: int):
+                 root: Path, max_jobs: int,
+                 max_full_engines: int = _DEFAULTS["max_full_weight_engines"].default,
+                 full_engine_wait_s: float = _DEFAULTS["full_weights_queue_timeout_s"].default):
         self.js, self.engine = js, engine
         self.base_model, self.replica = base_model, replica
         self.root = root
         self.max_jobs = max_jobs
+        self.max_full_engines = max_full_engines  # InferenceSettings.max_full_weight_engines
+        self.full_engine_wait_s = full_engine_wait_s  # InferenceSettings.full_weights_queue_timeout_s
+        # Engine slots held: full fine-tunes loaded (current or still pinned) or loading.
+        self.full_engines = 0
+        # Loads waiting for a slot, first come first served; set whenever a slot may have freed.
+        self.engine_queue: deque[object] = deque()
+        self._slots_changed = asyncio.Event()
         # job -> the version new requests get; ordered least recently used first.
         self.current: OrderedDict[str, Version] = OrderedDict()
         # job -> its newest checkpoint known to this replica, loaded or not.
@@ -149,6 +187,8 @@ class AdapterManager:
         version.refs -= 1
         if version.refs == 0 and self.current.get(version.job_hash) is not version:
             await self._unload(version)
+        if version.full and version.refs == 0:
+            self._slots_changed.set()  # an idle engine: a queued load may stop it
         await self._evict()
 
     # --- announces --------------------------------------------------------------------------------
@@ -198,8 +238,12 @@ class AdapterManager:
             try:
                 await self._ensure(job_hash)
                 break
+            except _NoEngineFree as exc:
+                log.info("not preloading the full fine-tune %s: %s; it loads at its next request",
+                         job_hash[:12], exc)
+                break
             except AdapterUnavailable as exc:
-                if exc.status != 503:
+                if exc.status != 503 or not exc.retry:
                     break  # rejected: the event said why; a newer checkpoint may do better
                 log.warning("loading %s failed (%s); retrying", job_hash[:12], exc.message)
                 await asyncio.sleep(0.5 * 2 ** attempt)
@@ -237,7 +281,7 @@ class AdapterManager:
             if refused is None or refused[:2] != (announce.step, announce.sha256):
                 started = time.time()
                 try:
-                    version = await self._load(announce)
+                    version = await self._load(announce, queue=pin)
                 except _Refused as exc:
                     self._reject(announce, str(exc))
                     refused = self.rejected[job_hash]
@@ -258,7 +302,23 @@ class AdapterManager:
                 return current  # the newest cannot be served; the one before still can
             raise AdapterUnavailable(422, f"job {job_hash} cannot be served here: {refused[2]}")
 
-    async def _load(self, announce: CheckpointAnnounce) -> Version:
+    async def _load(self, announce: CheckpointAnnounce, *, queue: bool) -> Version:
+        """The announced checkpoint as a new version. A full fine-tune takes an engine slot first
+        (``queue``: waiting its turn; else only a free one)."""
+        full = announce.adapter_type == FULL_WEIGHTS
+        if full:
+            await self._take_engine_slot(announce.job_hash, queue=queue)
+        try:
+            version = await self._fetch_and_load(announce, full)
+        except BaseException:
+            if full:
+                self._give_back_engine_slot()
+            raise
+        if full:
+            version.watch = self._spawn(self._watch_engine(version))
+        return version
+
+    async def _fetch_and_load(self, announce: CheckpointAnnounce, full: bool) -> Version:
         self._loads += 1
         # A folder per load: a version being reloaded never shares files with one being unloaded.
         folder = self.root / announce.job_hash / f"{announce.step}-{self._loads}"
@@ -267,6 +327,10 @@ class AdapterManager:
             checkpoint = await asyncio.to_thread(unpack, archive, folder)
             archive.unlink()
             config = await asyncio.to_thread(read_adapter_config, checkpoint)
+            # The slot was taken (or not) on the announce's word: the files must agree with it.
+            if (config.get("adapter_type") == FULL_WEIGHTS) != full:
+                raise AdapterRejected(f"the checkpoint's adapter_type {config.get('adapter_type')!r} "
+                                      f"is not its announce's {announce.adapter_type!r}")
             handle = await self.engine.load_adapter(f"{announce.job_hash}@{announce.step}",
                                                     checkpoint, config)
         except (AdapterRejected, BadArchive, ValueError) as exc:
@@ -276,7 +340,84 @@ class AdapterManager:
             LOADS.labels("failed", announce.adapter_type).inc()
             await asyncio.to_thread(shutil.rmtree, folder, True)
             raise AdapterUnavailable(503, f"could not fetch {announce.object_name}: {exc!r}") from exc
-        return Version(announce.job_hash, announce.step, announce.sha256, handle, folder)
+        return Version(announce.job_hash, announce.step, announce.sha256, handle, folder, full=full)
+
+    # --- full fine-tunes' engines -----------------------------------------------------------------
+    async def _take_engine_slot(self, job_hash: str, *, queue: bool) -> None:
+        """Hold one of the ``max_full_engines`` slots. Without ``queue`` (a load no request waits
+        for) only a slot free now, or one the job's own loaded version holds, is taken, else
+        _NoEngineFree. With it, wait in line: the head stops the least recently used idle engine,
+        or drains a busy one, until a slot is free; AdapterUnavailable (503) after the wait."""
+        if not queue and self.full_engines >= self.max_full_engines and not (
+                (own := self.current.get(job_hash)) is not None and own.full):
+            raise _NoEngineFree(f"all {self.max_full_engines} engines are taken "
+                                "(LOOPLINE_MAX_FULL_WEIGHT_ENGINES)")
+        ticket = object()
+        self.engine_queue.append(ticket)
+        deadline = time.monotonic() + self.full_engine_wait_s
+        try:
+            # Invariant: full_engines counts every slot held; only the queue's head takes one.
+            while True:
+                if self.engine_queue[0] is ticket:
+                    if self.full_engines < self.max_full_engines:
+                        self.full_engines += 1
+                        return
+                    if await self._free_an_engine(job_hash):
+                        continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AdapterUnavailable(503, self._engines_busy(), retry=False)
+                self._slots_changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._slots_changed.wait(), left)
+        finally:
+            self.engine_queue.remove(ticket)
+            self._slots_changed.set()  # the next in line looks again
+
+    async def _free_an_engine(self, job_hash: str) -> bool:
+        """Stop the least recently used idle full fine-tune (True); when every one is busy, take
+        the least recently used out of ``current`` instead, so that no new request pins it and its
+        last request unloads it (release), and return False: the slot frees later."""
+        loaded = [(job, v) for job, v in self.current.items() if v.full]
+        idle = next(((job, v) for job, v in loaded if v.refs == 0), None)
+        if idle is not None:
+            log.info("stopping the idle full fine-tune %s for %s", idle[0][:12], job_hash[:12])
+            await self._unload(self.current.pop(idle[0]))
+            return True
+        if loaded:
+            busy_job, busy = loaded[0]
+            log.info("draining the full fine-tune %s (%d requests) for %s", busy_job[:12], busy.refs,
+                     job_hash[:12])
+            del self.current[busy_job]
+        return False
+
+    def _give_back_engine_slot(self) -> None:
+        self.full_engines -= 1
+        self._slots_changed.set()
+
+    def _engines_busy(self) -> str:
+        return (f"all {self.max_full_engines} full fine-tune engines of this replica stayed busy for "
+                f"{self.full_engine_wait_s:g} s (LOOPLINE_MAX_FULL_WEIGHT_ENGINES, "
+                "LOOPLINE_FULL_WEIGHTS_QUEUE_TIMEOUT_S): retry later")
+
+    async def _watch_engine(self, version: Version) -> None:
+        """Wait for the version's engine to die; then unload it (now, or at its last request's
+        release) and report it. Cancelled when the version is unloaded."""
+        why = await version.handle.exited()
+        if version.handle.stopping:
+            return  # stopped by us (unloaded, the replica stopping): no death
+        ENGINE_DEATHS.inc()
+        log.error("%s step %d: %s; unloaded, the next request starts it again", version.job_hash[:12],
+                  version.step, why)
+        version.watch = None  # this task is ending: _unload must not cancel it
+        if self.current.get(version.job_hash) is version:
+            del self.current[version.job_hash]
+        if version.refs == 0:
+            await self._unload(version)
+        self._emit(AdapterEvent(job_hash=version.job_hash, kind="rejected", step=version.step,
+                                reason=f"{why} on replica {self.replica}; it restarts at the next request",
+                                replica=self.replica, base_model=self.base_model,
+                                adapter_type=FULL_WEIGHTS))
 
     def _loaded(self, announce: CheckpointAnnounce, started: float) -> None:
         loaded = time.time()
@@ -309,10 +450,18 @@ class AdapterManager:
             await self._unload(self.current.pop(idle))
 
     async def _unload(self, version: Version) -> None:
+        if version.unloaded:  # a dead engine's version may be let go by two paths
+            return
+        version.unloaded = True
+        if version.watch is not None:
+            version.watch.cancel()
         try:
             await self.engine.unload_adapter(version.handle)
         except Exception:  # the engine is stopping; nothing left to free
             log.exception("unloading %s step %d failed", version.job_hash[:12], version.step)
+        finally:
+            if version.full:  # its engine is stopped: the slot is free
+                self._give_back_engine_slot()
         await asyncio.to_thread(shutil.rmtree, version.folder, True)
         log.info("unloaded %s step %d", version.job_hash[:12], version.step)
 
@@ -348,7 +497,8 @@ class AdapterManager:
         self._spawn(bus.publish_durable(self.js, subjects.adapter_event(event.job_hash, event.kind),
                                         event.model_dump_json().encode(), msg_id=msg_id))
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task

@@ -12,7 +12,13 @@ own flags (vllm_args.serve_flags) with the folder as its model and LoRA off, and
 through vLLM's own HTTP server, so they are vLLM's as much as the base model's are.
 
 Each loaded version costs an engine (its weights and its KV cache): ``LOOPLINE_MAX_ADAPTERS``
-bounds them with the adapters, least recently used first.
+bounds them with the adapters, and ``LOOPLINE_MAX_FULL_WEIGHT_ENGINES`` bounds the engines alone,
+before one starts (adapters.py).
+
+A child answers its parent replica only: it listens on a Unix socket in a directory of its own
+(mode 0700, so no other uid can connect, a job's own included) rather than on a local port any
+process could reach, and it requires a per-child key on vLLM's /v1 routes besides. The key reaches
+it through its environment (``VLLM_API_KEY``), not its argv, which /proc shows to every uid.
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
+import shutil
 import signal
-import socket
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -53,35 +61,36 @@ def model_folder(base: Path, checkpoint: Path, out: Path) -> Path:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class FullWeightsModel:
-    """One full fine-tune's version, served by a ``vllm serve`` child process on a local port."""
+    """One full fine-tune's version, served by a ``vllm serve`` child process on a Unix socket."""
 
     def __init__(self, name: str, flags: list[str], log_path: Path, *, start_timeout_s: float):
         self.lora_name = name  # the ``model`` requests name it by (what the worker writes in)
         self.flags = flags
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s  # InferenceSettings.full_weights_start_timeout_s
-        self.port = free_port()
+        # Short, under /tmp: a socket's path must fit sockaddr_un (108 bytes), which a state
+        # directory's may not. mkdtemp makes it 0700.
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="loopline-full-"))
+        self.socket = self.socket_dir / "vllm.sock"
+        self.key = secrets.token_urlsafe(32)
         self.proc: asyncio.subprocess.Process | None = None
+        self.stopping = False  # stop() was called: the child's exit is ours, not a death
         import httpx
 
-        self.http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=None)
+        self.http = httpx.AsyncClient(base_url="http://full-weights", timeout=None,
+                                      transport=httpx.AsyncHTTPTransport(uds=str(self.socket)),
+                                      headers={"authorization": f"Bearer {self.key}"})
 
     async def start(self) -> None:
         """Start the child and wait until it answers /health; AdapterRejected (with the end of its
         log) if it exits first or takes longer than ``start_timeout_s``."""
-        command = [sys.executable, "-m", __name__, *self.flags, "--host", "127.0.0.1", "--port",
-                   str(self.port)]
+        command = [sys.executable, "-m", __name__, *self.flags, "--uds", str(self.socket)]
         out = await asyncio.to_thread(open, self.log_path, "ab")
         try:  # the child keeps its own descriptor
             self.proc = await asyncio.create_subprocess_exec(
-                *command, stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+                *command, stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "VLLM_API_KEY": self.key})
         finally:
             out.close()
         import httpx
@@ -149,19 +158,35 @@ class FullWeightsModel:
         finally:
             await response.aclose()
 
+    async def exited(self) -> str:
+        """Wait for the child to exit by itself (not by ``stop``), and say how: what the replica
+        reports when a loaded version's engine dies. asyncio hears the exit from the kernel at
+        once, so a death is noticed as it happens, not at the next poll."""
+        assert self.proc is not None, "start() first"
+        code = await self.proc.wait()
+        how = f"killed by signal {-code}" if code < 0 else f"exited with {code}"
+        return f"the full fine-tune's engine {how} ({self._log_tail(2)})"
+
     async def stop(self) -> None:
+        self.stopping = True
         await self.http.aclose()
         proc = self.proc
-        if proc is None or proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
         try:
-            await asyncio.wait_for(proc.wait(), 20)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+            if proc is not None and proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(proc.wait(), 20)
+                except TimeoutError:
+                    pass
+            if proc is not None:
+                # The child's own children (vLLM's engine core) outlive a child that was killed:
+                # the group goes too, or an orphaned engine keeps its memory.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        finally:
+            await asyncio.to_thread(shutil.rmtree, self.socket_dir, True)
 
 
 def child_main() -> None:

@@ -107,7 +107,9 @@ async def run(rt: Runtime, settings: InferenceSettings) -> None:
     if settings.adapters:
         folder = settings.state_dir / "adapters" / re.sub(r"[^A-Za-z0-9_.-]", "-", rt.replica)
         adapters = AdapterManager(js, server, base_model=settings.name, replica=rt.replica,
-                                  root=folder.resolve(), max_jobs=settings.max_adapters)
+                                  root=folder.resolve(), max_jobs=settings.max_adapters,
+                                  max_full_engines=settings.max_full_weight_engines,
+                                  full_engine_wait_s=settings.full_weights_queue_timeout_s)
         rt.on_stop(adapters.stop)
         await adapters.start()
     worker = Worker(nc, js, server, deployment=deployment, replica=rt.replica,

@@ -232,9 +232,10 @@ class Worker:
         try:
             version = await self.adapters.acquire(item.adapter)
         except AdapterUnavailable as exc:
-            if exc.status >= 500:
+            if exc.status >= 500 and exc.retry:
                 raise  # NATS restarting: nak, so this or another replica tries again
-            return self._error(item, exc.status, exc.message)
+            return self._error(item, exc.status, exc.message,
+                               "server_error" if exc.status >= 500 else "invalid_request_error")
         try:
             return await self._serve_with(item, version)
         finally:
