@@ -44,8 +44,11 @@ async def fails_and_others_go_on(client, job_hash: str, setting: str) -> JobInfo
     """The job ends FAILED naming ``setting``, its last event says so, and a new job completes."""
     failed = await client.wait_status(job_hash, "FAILED")
     assert setting in failed.error, failed.error
-    events = await client.events(job_hash)
-    assert events[-1].kind == "failed" and setting in events[-1].error
+    # The event follows the status (the reconcile loop publishes it): wait for it, then it is the
+    # last one the job has.
+    events = await client.events(job_hash, until="failed")
+    assert setting in events[-1].error
+    assert [e.kind for e in await client.events(job_hash)][-1] == "failed"
     other = await client.submit({"max_steps": 2})
     assert (await client.wait_status(other.job_hash, "COMPLETED")).step == 2
     return failed
