@@ -15,10 +15,8 @@ import json
 import threading
 import time
 import zlib
-from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from loopline.common.contracts import subjects, tinker_names
@@ -27,6 +25,7 @@ from loopline.common.local import launcher
 from loopline.common.runtime.tinker_store import TinkerStore
 from support.bus_view import BusView
 from support.gateway_process import BASE_MODEL, start_gateway
+from support.peak_rss import PeakRss
 
 MiB = 1024 * 1024
 MAX_SAMPLES = 8
@@ -63,29 +62,6 @@ def gateway(nats_proc, tmp_path_factory):
 def http(gateway):
     with httpx.Client(base_url=gateway.url, timeout=60) as client:
         yield client
-
-
-class PeakRss:
-    """The gateway process's peak resident memory over a stretch of time."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
-        self.proc = psutil.Process(pid)
-
-    def __enter__(self) -> PeakRss:
-        Path(f"/proc/{self.pid}/clear_refs").write_text("5")  # the high-water mark := the RSS now
-        self.before = self.proc.memory_info().rss
-        return self
-
-    def __exit__(self, *_exc) -> None:
-        status = Path(f"/proc/{self.pid}/status").read_text()
-        self.peak = int(next(line.split()[1] for line in status.splitlines()
-                             if line.startswith("VmHWM:"))) * 1024
-        self.after = self.proc.memory_info().rss
-
-    @property
-    def growth(self) -> int:
-        return max(self.peak, self.after) - self.before
 
 
 def names(resp: httpx.Response, setting: str) -> bool:
